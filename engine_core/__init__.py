@@ -1,0 +1,1 @@
+"""mini-deepinfer engine_core package."""

@@ -1,0 +1,166 @@
+"""One V4.1 attention layer: a sliding window of raw KV plus, for compressed layers, the
+compressed entries its indexer (or the indexer it reuses) selected, in one sparse attention call.
+
+Queries and the window KV come from low-rank projections; the window KV (``kv_norm(wkv(x))`` with
+RoPE) goes through an FP8 round trip over all head dims. Every query lists its entries the same
+way, whatever the chunking or the batch: the window positions ``t-n+1 .. t`` (n = min(window,
+t+1)) in position order, then its selected compressed entries in entry order. The output has the
+query's rotation removed from its RoPE dims and is projected back through a grouped low-rank
+output (``wo_a`` per group in bf16, then ``wo_b``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .batch import ForwardBatch
+from .cache import V41Cache
+from .attention_lists import join_lists, window_list
+from .compressor import Compressor
+from .config import LayerRole, V41Config
+from .indexer import Indexer, Selection
+from .layers import Linear, rms_norm
+from .quant import fp8_qdq
+from .rope import RotaryTable
+from .sparse_attention import sparse_attention
+
+
+@dataclass
+class ForwardState:
+    """What attention layers hand down the stack within one forward (per sequence)."""
+
+    selections: dict[int, list[Selection]] = field(default_factory=dict)  # index source -> per sequence
+    candidates: list[torch.Tensor | None] = field(default_factory=list)  # published by the candidate source
+    index_key_layer: dict[int, list[int]] = field(default_factory=dict)  # index source -> key layer per seq
+
+
+@dataclass
+class AttentionWeights:
+    wq_a: Linear
+    q_norm: torch.Tensor
+    wq_b: Linear
+    wkv: Linear
+    kv_norm: torch.Tensor
+    wo_a: torch.Tensor  # [groups * o_lora_rank, heads * head_dim / groups] bf16 (dequantized, as the reference)
+    wo_b: Linear
+    sink: torch.Tensor  # [heads] fp32
+
+
+class Attention:
+    def __init__(self, cfg: V41Config, role: LayerRole, weights: AttentionWeights,
+                 compressor: Compressor | None, indexer: Indexer | None, batch_invariant: bool,
+                 reference_layout: bool, device: torch.device | str = "cpu"):
+        self.cfg, self.role, self.w = cfg, role, weights
+        self.compressor, self.indexer = compressor, indexer
+        self.batch_invariant, self.reference_layout = batch_invariant, reference_layout
+        self.rope = RotaryTable.for_layer(cfg, role.compress_ratio, device)
+        self.scale = cfg.head_dim ** -0.5
+
+    def to(self, device) -> "Attention":
+        w = self.w
+        for lin in (w.wq_a, w.wq_b, w.wkv, w.wo_b):
+            lin.to(device)
+        w.q_norm, w.kv_norm, w.wo_a, w.sink = (t.to(device) for t in (w.q_norm, w.kv_norm, w.wo_a, w.sink))
+        for part in (self.compressor, self.indexer):
+            if part is not None:
+                part.to(device)
+        self.rope.to(device)
+        return self
+
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch, cache: V41Cache, state: ForwardState) -> torch.Tensor:
+        cfg, w, pos = self.cfg, self.w, batch.positions
+        rd = cfg.rope_head_dim
+        eps = cfg.rms_norm_eps
+        qr = rms_norm(w.wq_a(x), w.q_norm, eps)
+        q = w.wq_b(qr).unflatten(-1, (cfg.num_heads, cfg.head_dim))
+        self.rope.rotate_(q[..., -rd:], pos)
+        kv = rms_norm(w.wkv(x), w.kv_norm, eps)
+        self.rope.rotate_(kv[:, -rd:], pos)
+        kv = fp8_qdq(kv, 32)
+
+        if self.role.compress_ratio:
+            if self.compressor is not None:
+                self.compressor(x, batch, cache, self.rope)
+            if self.indexer is not None:
+                self._select(x, qr, batch, cache, state)
+        kv_rows, valid, widths = self._gather_entries(kv, batch, cache, state)
+        o = sparse_attention(q, kv_rows, valid, widths, w.sink, self.scale)
+        self.rope.rotate_(o[..., -rd:], pos, inverse=True)
+        self._write_window(kv, batch, cache)
+        return w.wo_b(self._grouped_output(o))
+
+    # ------------------------------------------------------------------ compressed entries
+    def _select(self, x, qr, batch: ForwardBatch, cache: V41Cache, state: ForwardState) -> None:
+        """Run this layer's indexer for every sequence and publish its selection (and candidates)."""
+        indexer = self.indexer
+        q, weights = indexer.queries(x, qr, batch.positions, self.rope)
+        key_layers = state.index_key_layer[self.role.layer_id]
+        selections = []
+        if self.role.is_candidate_source:
+            state.candidates = [None] * len(batch.chunks)
+        for b, chunk in enumerate(batch.chunks):
+            rows = batch.rows(b)
+            key_layer = key_layers[b]
+            num_keys = chunk.end // self.role.compress_ratio
+            entries = torch.arange(num_keys, device=x.device)
+            blocks, slots = cache.entry_rows(key_layer, chunk.block_table, entries)
+            keys = cache.index_keys[key_layer][blocks, slots]
+            candidates = state.candidates[b] if indexer.uses_candidates and state.candidates else None
+            selection, published = indexer.select(q[rows], weights[rows], keys, batch.positions[rows], candidates)
+            selections.append(selection)
+            if self.role.is_candidate_source:
+                state.candidates[b] = published
+        state.selections[self.role.layer_id] = selections
+
+    def _gather_entries(self, kv: torch.Tensor, batch: ForwardBatch, cache: V41Cache, state: ForwardState):
+        """Per query: its listed KV rows [T, L, D], which are real entries [T, L], and list lengths [T]."""
+        lists, valids, widths = [], [], []
+        ring = cache.window[self.role.layer_id]
+        for b, chunk in enumerate(batch.chunks):
+            rows = batch.rows(b)
+            window = window_list(batch.positions[rows], chunk, self.cfg.sliding_window, self.reference_layout)
+            in_chunk = window.positions >= chunk.start
+            local = (window.positions - chunk.start).clamp(min=0, max=chunk.length - 1)
+            from_ring = ring[chunk.slot, window.positions.clamp(min=0) % self.cfg.sliding_window]
+            window_rows = torch.where(in_chunk.unsqueeze(-1), kv[rows.start + local], from_ring)
+            selection = compressed_rows = None
+            if self.role.compress_ratio:
+                selection = state.selections[self.role.topk_source][b]
+                blocks, slots = cache.entry_rows(self.role.kv_source, chunk.block_table, selection.entries)
+                compressed_rows = cache.compressed_kv[self.role.kv_source][blocks, slots]
+            rows_b, valid_b, widths_b = join_lists(window, window_rows, selection, compressed_rows,
+                                                   self.reference_layout)
+            lists.append(rows_b)
+            valids.append(valid_b)
+            widths.append(widths_b)
+        width = max(x.shape[1] for x in lists)
+        kv_rows = torch.cat([torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[1])) for x in lists])
+        valid = torch.cat([torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in valids])
+        return kv_rows, valid, torch.cat(widths)
+
+    def _write_window(self, kv: torch.Tensor, batch: ForwardBatch, cache: V41Cache) -> None:
+        """Keep the last ``window`` positions of every chunk in its sequence's ring (row = pos % W)."""
+        win = self.cfg.sliding_window
+        ring = cache.window[self.role.layer_id]
+        for b, chunk in enumerate(batch.chunks):
+            first = max(chunk.start, chunk.end - win)
+            local = slice(batch.offsets[b] + first - chunk.start, batch.offsets[b] + chunk.length)
+            ring[chunk.slot, torch.arange(first, chunk.end, device=kv.device) % win] = kv[local]
+
+    def _grouped_output(self, o: torch.Tensor) -> torch.Tensor:
+        """[T, H, D] -> [T, groups * o_lora_rank]: each group of heads through its own slice of wo_a."""
+        cfg = self.cfg
+        t = o.shape[0]
+        groups = cfg.o_groups
+        o = o.reshape(t, groups, -1)
+        wo_a = self.w.wo_a.view(groups, cfg.o_lora_rank, -1)
+        if self.batch_invariant:
+            # one [1, d] x [d, r] product per (token, group), as in a reference decode step
+            out = torch.bmm(o.reshape(t * groups, 1, -1),
+                            wo_a.transpose(1, 2).unsqueeze(0).expand(t, -1, -1, -1).reshape(t * groups, -1, cfg.o_lora_rank))
+            out = out.view(t, groups, cfg.o_lora_rank)
+        else:
+            out = torch.einsum("tgd,grd->tgr", o, wo_a)
+        return out.flatten(1)

@@ -1,0 +1,71 @@
+"""The flattened variable-length batch a forward runs on.
+
+A forward takes the tokens of many sequences concatenated (no padding). Sequence ``b`` contributes
+``lengths[b]`` consecutive positions starting at ``starts[b]`` (its number of already-cached
+tokens): a prefill chunk of any length at any position, or one decode token. Its state lives in
+state slot ``slots[b]`` and its paged blocks are ``block_tables[b]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SequenceChunk:
+    """One sequence's part of a forward, as the model needs it."""
+
+    start: int  # first position of the chunk = tokens already cached
+    length: int  # tokens in this forward
+    slot: int
+    block_table: torch.Tensor  # [num_blocks_of_sequence] int64
+    previous_start: int = -1  # start of the sequence's previous forward (-1: none); official hand-off only
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass
+class ForwardBatch:
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    chunks: list[SequenceChunk]
+    offsets: list[int] = field(default_factory=list)  # first flat row of each chunk
+
+    def __post_init__(self) -> None:
+        if not self.offsets:
+            acc, offsets = 0, []
+            for chunk in self.chunks:
+                offsets.append(acc)
+                acc += chunk.length
+            self.offsets = offsets
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    def rows(self, b: int) -> slice:
+        return slice(self.offsets[b], self.offsets[b] + self.chunks[b].length)
+
+    def last_rows(self) -> torch.Tensor:
+        """Flat row of each chunk's last token (where next-token logits come from)."""
+        return torch.tensor([o + c.length - 1 for o, c in zip(self.offsets, self.chunks)], dtype=torch.long)
+
+    @classmethod
+    def build(cls, token_ids: list[list[int]], starts: list[int], slots: list[int],
+              block_tables: list[list[int]], previous_starts: list[int] | None = None,
+              device: torch.device | str = "cpu") -> "ForwardBatch":
+        flat, positions, chunks = [], [], []
+        for b, ids in enumerate(token_ids):
+            flat.extend(ids)
+            positions.extend(range(starts[b], starts[b] + len(ids)))
+            chunks.append(SequenceChunk(
+                start=starts[b], length=len(ids), slot=slots[b],
+                block_table=torch.tensor(block_tables[b], dtype=torch.long, device=device),
+                previous_start=-1 if previous_starts is None else previous_starts[b],
+            ))
+        return cls(torch.tensor(flat, dtype=torch.long, device=device),
+                   torch.tensor(positions, dtype=torch.long, device=device), chunks)

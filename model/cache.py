@@ -1,0 +1,103 @@
+"""Where V4.1 keeps per-sequence state between forwards: paged blocks and state slots.
+
+Two kinds of state, with different lifetimes and growth:
+
+* **Paged blocks** (grow with the sequence): a block covers ``block_size`` source tokens (128 by
+  default) and holds, for every kv-source layer of compress ratio r, ``block_size // r`` compressed
+  KV entries and as many index keys. Entry g of a sequence (tokens g*r .. g*r+r-1) lives in block
+  ``block_table[g*r // block_size]`` at row ``g % (block_size // r)``. Block 0 is never handed out:
+  it is the padding target of unused block-table entries.
+* **State slots** (fixed size per sequence): the sliding-window ring of every layer (position p in
+  row ``p % window``), the ratio-r compressor tail of every kv-source layer with r > 1 (the kv and
+  score rows of the still-open group, row ``p % r``), and the Engram n-gram history (compressed ids
+  of the last ``max_ngram_size - 1`` positions, row ``p % (max_ngram_size - 1)``).
+
+All values are stored exactly as the reference holds them: bf16 values that went through their
+FP8/FP4 round trip, and fp32 compressor tails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import V41Config
+
+DEFAULT_BLOCK_SIZE = 128
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    block_size: int  # source tokens per paged block
+    num_blocks: int  # including the padding block 0
+    num_slots: int
+
+    def entries_per_block(self, ratio: int) -> int:
+        return self.block_size // ratio
+
+
+def check_block_size(cfg: V41Config, block_size: int) -> None:
+    for layer in cfg.kv_source_layers:
+        ratio = cfg.compress_ratios[layer]
+        if block_size % ratio:
+            raise ValueError(f"block size {block_size} is not a multiple of compress ratio {ratio}")
+
+
+def bytes_per_block(cfg: V41Config, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Memory of one paged block (compressed KV + index keys of every kv-source layer), bf16 values."""
+    total = 0
+    for layer in cfg.kv_source_layers:
+        entries = block_size // cfg.compress_ratios[layer]
+        total += entries * (cfg.head_dim + cfg.index_head_dim) * 2
+    return total
+
+
+def bytes_per_slot(cfg: V41Config) -> int:
+    """Memory of one state slot: window rings, compressor tails, Engram history."""
+    total = cfg.num_layers * cfg.sliding_window * cfg.head_dim * 2
+    for layer in cfg.kv_source_layers:
+        ratio = cfg.compress_ratios[layer]
+        if ratio > 1:
+            total += 2 * ratio * cfg.head_dim * 4
+    return total + max(cfg.engram_max_ngram_size - 1, 1) * 8
+
+
+class V41Cache:
+    """All per-sequence state tensors of one model replica, allocated once."""
+
+    def __init__(self, cfg: V41Config, geometry: CacheGeometry, device: torch.device | str = "cpu"):
+        check_block_size(cfg, geometry.block_size)
+        self.cfg = cfg
+        self.geometry = geometry
+        self.device = torch.device(device)
+        slots, window, hd = geometry.num_slots, cfg.sliding_window, cfg.head_dim
+        self.window = [torch.zeros(slots, window, hd, dtype=torch.bfloat16, device=device)
+                       for _ in range(cfg.num_layers)]
+        self.compressed_kv: dict[int, torch.Tensor] = {}
+        self.index_keys: dict[int, torch.Tensor] = {}
+        self.tail_kv: dict[int, torch.Tensor] = {}
+        self.tail_score: dict[int, torch.Tensor] = {}
+        for layer in cfg.kv_source_layers:
+            ratio = cfg.compress_ratios[layer]
+            entries = geometry.entries_per_block(ratio)
+            self.compressed_kv[layer] = torch.zeros(geometry.num_blocks, entries, hd, dtype=torch.bfloat16,
+                                                    device=device)
+            self.index_keys[layer] = torch.zeros(geometry.num_blocks, entries, cfg.index_head_dim,
+                                                 dtype=torch.bfloat16, device=device)
+            if ratio > 1:
+                self.tail_kv[layer] = torch.zeros(slots, ratio, hd, dtype=torch.float32, device=device)
+                self.tail_score[layer] = torch.full((slots, ratio, hd), -torch.inf, dtype=torch.float32,
+                                                    device=device)
+        self.history_len = max(cfg.engram_max_ngram_size - 1, 1)
+        self.engram_history = torch.zeros(slots, self.history_len, dtype=torch.int64, device=device)
+
+    @classmethod
+    def allocate(cls, cfg: V41Config, num_blocks: int, num_slots: int,
+                 block_size: int = DEFAULT_BLOCK_SIZE, device: torch.device | str = "cpu") -> "V41Cache":
+        return cls(cfg, CacheGeometry(block_size, num_blocks, num_slots), device)
+
+    def entry_rows(self, layer: int, block_table: torch.Tensor, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, row) of compressed entries ``entries`` (any shape) of one sequence in ``layer``'s cache."""
+        per_block = self.geometry.entries_per_block(self.cfg.compress_ratios[layer])
+        return block_table[entries // per_block], entries % per_block

@@ -1,0 +1,123 @@
+"""Engram: n-gram hash lookups gated into the residual stream before selected blocks.
+
+Hashing (once per forward, shared by all Engram layers): every token id is mapped to its
+compressed id (``engram_token_map.json``); a position's n-grams are its own compressed id and the
+``max_ngram_size - 1`` before it (the pad's compressed id before the sequence start). Per layer,
+the n-gram of size n hashes as the XOR of ``token_i * multiplier_i`` (int64, i < n), and each of
+the ``n_heads`` heads buckets that hash modulo its own prime, offset into the layer's table.
+Column order of the hash ids: [2-gram heads, 3-gram heads, ...].
+
+Module: the looked-up FP8 rows are dequantized, projected by ``wkv`` into one key per hc copy plus
+a shared value; a gate per copy (a normalised dot product of stream and key, signed-sqrt then
+sigmoid) decides how much of the value is added to that copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .batch import ForwardBatch
+from .cache import V41Cache
+from .config import V41Config
+from .layers import Linear
+from .presets import engram_bucket_primes
+
+
+def hash_multipliers(layer_ids: tuple[int, ...], max_ngram_size: int, compressed_vocab_size: int) -> torch.Tensor:
+    """[layers, max_ngram_size] odd int64 multipliers, from a per-layer numpy RNG seeded 10007 * layer.
+
+    Bounded so that ``compressed_id * multiplier`` cannot overflow int64.
+    """
+    bound = max(1, (np.iinfo(np.int64).max // compressed_vocab_size) // 2)
+    rows = []
+    for layer_id in layer_ids:
+        values = np.random.default_rng(10007 * layer_id).integers(0, bound, size=(max_ngram_size,), dtype=np.int64)
+        rows.append(torch.from_numpy(values * 2 + 1))
+    return torch.stack(rows)
+
+
+@dataclass
+class NgramHasher:
+    """Hash ids of every position's n-grams, for all Engram layers at once."""
+
+    token_map: torch.Tensor  # [vocab] int64
+    pad_compressed_id: int
+    multipliers: torch.Tensor  # [layers, max_ngram]
+    primes: torch.Tensor  # [layers, max_ngram - 1, heads]
+    offsets: torch.Tensor  # [layers, (max_ngram - 1) * heads]
+    max_ngram_size: int
+
+    @classmethod
+    def build(cls, cfg: V41Config, token_map: list[int] | tuple[int, ...], compressed_vocab_size: int,
+              pad_compressed_id: int) -> "NgramHasher":
+        n, heads = cfg.engram_max_ngram_size, cfg.engram_num_heads
+        per_layer = engram_bucket_primes(list(cfg.engram_layer_ids), n, cfg.engram_vocab_size, heads)
+        primes = torch.tensor(per_layer, dtype=torch.int64).view(len(per_layer), n - 1, heads)
+        flat = primes.flatten(1)
+        offsets = torch.cumsum(flat, dim=1) - flat  # each (n, head) range starts after the previous ones
+        return cls(torch.tensor(list(token_map), dtype=torch.int64), pad_compressed_id,
+                   hash_multipliers(cfg.engram_layer_ids, n, compressed_vocab_size), primes, offsets, n)
+
+    def to(self, device) -> "NgramHasher":
+        for name in ("token_map", "multipliers", "primes", "offsets"):
+            setattr(self, name, getattr(self, name).to(device))
+        return self
+
+    def __call__(self, batch: ForwardBatch, cache: V41Cache) -> torch.Tensor:
+        """[T, layers, (max_ngram - 1) * heads] hash ids; updates the sequences' n-gram history."""
+        compressed = self.token_map[batch.token_ids]
+        history = cache.engram_history
+        keep = cache.history_len
+        lookback = []  # lookback[i][t] = compressed id i positions before token t (pad before the start)
+        for shift in range(self.max_ngram_size):
+            parts = []
+            for b, chunk in enumerate(batch.chunks):
+                rows = batch.rows(b)
+                pos = batch.positions[rows] - shift
+                in_chunk = pos >= chunk.start
+                from_chunk = compressed[rows.start + (pos - chunk.start).clamp(min=0)]
+                from_history = history[chunk.slot, pos.clamp(min=0) % keep]
+                ids = torch.where(in_chunk, from_chunk, from_history)
+                parts.append(torch.where(pos >= 0, ids, self.pad_compressed_id))
+            lookback.append(torch.cat(parts))
+        tokens = torch.stack(lookback, dim=-1)  # [T, max_ngram]
+        products = tokens.unsqueeze(1) * self.multipliers  # [T, layers, max_ngram]
+        rolling, hashes = products[..., 0], []
+        for i in range(1, self.max_ngram_size):
+            rolling = torch.bitwise_xor(rolling, products[..., i])
+            hashes.append(rolling.unsqueeze(-1) % self.primes[:, i - 1])
+        for b, chunk in enumerate(batch.chunks):
+            first = max(chunk.start, chunk.end - keep)
+            rows = slice(batch.offsets[b] + first - chunk.start, batch.offsets[b] + chunk.length)
+            history[chunk.slot, torch.arange(first, chunk.end, device=compressed.device) % keep] = compressed[rows]
+        return torch.cat(hashes, dim=-1) + self.offsets
+
+
+class Engram:
+    def __init__(self, table: torch.Tensor, wkv: Linear, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 hc: int, dim: int, eps: float):
+        self.table = table  # [rows, head_dim] bf16, the exact dequantized FP8 rows
+        self.wkv, self.hc, self.dim, self.eps = wkv, hc, dim, eps
+        self.gate_weight = q_weight.float() * k_weight.float()  # only ever used as a product
+        self.clamp_value = 1e-6
+
+    def to(self, device) -> "Engram":
+        self.table, self.gate_weight = self.table.to(device), self.gate_weight.to(device)
+        self.wkv.to(device)
+        return self
+
+    def __call__(self, stream: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:
+        """stream [T, hc, D] bf16, hash_ids [T, columns] -> new stream [T, hc, D]."""
+        rows = self.table[hash_ids]  # [T, columns, head_dim]
+        kv = self.wkv(rows.flatten(-2))
+        key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
+        key = key.float().unflatten(-1, (self.hc, self.dim))
+        h, eps = stream.float(), self.eps
+        # normalised per (token, copy) over the hidden dim, not jointly over the copies
+        rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+        dot = (h * self.gate_weight * key).sum(-1) * rstd * self.dim ** -0.5
+        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(self.clamp_value).sqrt(), dot))
+        return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(stream.dtype)

@@ -1,0 +1,232 @@
+"""Loading a DeepSeek-V4.1 checkpoint in the official layout into a ``V41Model``.
+
+Reads ``config.json``, the safetensors weights (one file, or shards listed in
+``model.safetensors.index.json``) and the Engram token map, checks every tensor against
+``weight_spec.checkpoint_tensors`` (clear errors for a missing tensor, a wrong shape or dtype),
+skips the vision tower and the DSpark draft head with a log line, and converts the weights to what
+the reference computes with: FP8/FP4 weights dequantized exactly (e4m3/e2m1 times power-of-two
+scales fit bf16), ``head`` and the ratio-2 compressor weights promoted to fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .attention import Attention, AttentionWeights
+from .compressor import Compressor
+from .config import V41Config, WeightFormat
+from .engram import Engram, NgramHasher
+from .engram_token_map import build_compressed_token_map, load_token_map
+from .indexer import Indexer
+from .layers import Linear
+from .mhc import HyperConnection
+from .moe import MoE, Expert, Router
+from .quant import dequantize_fp8_rows, dequantize_fp8_weight, fp4_weight_operands, fp8_weight_operands
+from .transformer import Block, ModelOptions, V41Model
+from .weight_spec import checkpoint_tensors, is_ignored
+
+log = logging.getLogger(__name__)
+
+_TORCH_DTYPE_NAMES = {
+    torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.int8: "I8", torch.uint8: "U8",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e8m0fnu: "F8_E8M0", torch.int64: "I64", torch.int32: "I32",
+}
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's files do not hold the model its config describes."""
+
+
+class CheckpointReader:
+    """Name -> tensor access over one or several safetensors files."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{path}: no *.safetensors files")
+        self._handles = {}
+        self._file_of: dict[str, str] = {}
+        for name in files:
+            if not (path / name).is_file():
+                raise CheckpointError(f"{path}: shard {name} listed in the index is missing")
+            handle = safe_open(str(path / name), framework="pt")
+            self._handles[name] = handle
+            for key in handle.keys():
+                self._file_of[key] = name
+
+    def names(self) -> list[str]:
+        return list(self._file_of)
+
+    def dtype_and_shape(self, name: str) -> tuple[str, tuple[int, ...]]:
+        info = self._handles[self._file_of[name]].get_slice(name)
+        return info.get_dtype(), tuple(info.get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handles[self._file_of[name]].get_tensor(name)
+
+
+def validate_checkpoint(cfg: V41Config, reader: CheckpointReader) -> None:
+    """Every expected tensor present with the right dtype and shape; log what is skipped."""
+    expected = checkpoint_tensors(cfg)
+    present = set(reader.names())
+    missing = [name for name in expected if name not in present]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"{reader.path}: missing tensor(s) {', '.join(missing[:5])}{more}")
+    for name, spec in expected.items():
+        dtype, shape = reader.dtype_and_shape(name)
+        if dtype != spec.dtype:
+            raise CheckpointError(f"{reader.path}: tensor {name} has dtype {dtype}, expected {spec.dtype}")
+        if shape != spec.shape:
+            raise CheckpointError(f"{reader.path}: tensor {name} has shape {list(shape)}, expected {list(spec.shape)}")
+    extra = present - set(expected)
+    ignored = [n for n in extra if is_ignored(n)]
+    if ignored:
+        log.info("ignoring %d vision/DSpark tensors (mtp.*, vision.*, ...): the text backbone does not use them",
+                 len(ignored))
+    unknown = sorted(extra - set(ignored))
+    if unknown:
+        log.warning("ignoring %d unknown tensors, e.g. %s", len(unknown), unknown[:3])
+
+
+def load_engram_token_map(path: Path, cfg: V41Config) -> tuple[list[int], int, int]:
+    """(token map, compressed vocab size, pad's compressed id) from engram_token_map.json or tokenizer.json."""
+    map_file, tokenizer_file = path / "engram_token_map.json", path / "tokenizer.json"
+    if map_file.is_file():
+        token_map = load_token_map(map_file)
+        lookup, size, pad = list(token_map.token_map), token_map.compressed_vocab_size, token_map.pad_compressed_id
+        if token_map.pad_id != cfg.engram_pad_token_id:
+            raise CheckpointError(f"{map_file}: pad id {token_map.pad_id} != config {cfg.engram_pad_token_id}")
+    elif tokenizer_file.is_file():
+        from tokenizers import Tokenizer
+
+        lookup, size = build_compressed_token_map(Tokenizer.from_file(str(tokenizer_file)))
+        pad = lookup[cfg.engram_pad_token_id]
+    else:
+        raise CheckpointError(f"{path}: Engram needs engram_token_map.json or tokenizer.json")
+    if size != cfg.engram_compressed_vocab_size:
+        raise CheckpointError(f"{path}: the Engram token map has {size} compressed ids but config.json says "
+                              f"engram_compressed_vocab_size={cfg.engram_compressed_vocab_size}")
+    if len(lookup) < cfg.vocab_size:
+        raise CheckpointError(f"{path}: the Engram token map covers {len(lookup)} of {cfg.vocab_size} token ids")
+    return lookup, size, pad
+
+
+class _Builder:
+    """Turns checkpoint tensors into the model's modules, one converter per storage format."""
+
+    def __init__(self, cfg: V41Config, reader: CheckpointReader, options: ModelOptions):
+        self.cfg, self.reader, self.options = cfg, reader, options
+        self.bi = options.batch_invariant
+
+    def t(self, name: str) -> torch.Tensor:
+        # A fresh allocation: tensors read straight from the file can sit at any byte offset, and
+        # CPU GEMM kernels round differently for differently aligned operands.
+        return self.reader.get(name).clone()
+
+    def dequantized(self, name: str) -> torch.Tensor:
+        """bf16 values of a weight the reference holds dequantized (wo_a): exact for FP8 x 2^k."""
+        weight = self.t(f"{name}.weight")
+        if weight.dtype == torch.float8_e4m3fn:
+            return dequantize_fp8_weight(weight, self.t(f"{name}.scale"))
+        return weight
+
+    def linear(self, name: str) -> Linear:
+        """A projection as stored: FP8 and FP4 weights run the block-scaled GEMM."""
+        weight = self.t(f"{name}.weight")
+        if weight.dtype == torch.float8_e4m3fn:
+            values, scales = fp8_weight_operands(weight, self.t(f"{name}.scale"))
+            return Linear(values, self.bi, scales)
+        if weight.dtype == torch.int8:
+            values, scales = fp4_weight_operands(weight, self.t(f"{name}.scale"))
+            return Linear(values, self.bi, scales)
+        return Linear(weight, self.bi)
+
+    def plain(self, name: str, dtype: torch.dtype | None = None) -> Linear:
+        weight = self.t(f"{name}.weight")
+        return Linear(weight if dtype is None else weight.to(dtype), self.bi)
+
+    def expert(self, prefix: str) -> Expert:
+        return Expert(self.linear(f"{prefix}.w1"), self.linear(f"{prefix}.w2"), self.linear(f"{prefix}.w3"),
+                      self.cfg.swiglu_limit)
+
+    def block(self, layer: int, device) -> Block:
+        cfg, p = self.cfg, f"layers.{layer}."
+        role = cfg.role(layer)
+        a = p + "attn."
+        compressor = indexer = None
+        if role.owns_kv:
+            ratio = role.compress_ratio
+            # ratio 1 is a plain bf16 projection; ratio > 1 pools in fp32 with fp32 weights
+            dtype = torch.float32 if ratio > 1 else None
+            compressor = Compressor(
+                layer, ratio, self.plain(a + "compressor.wkv", dtype),
+                self.plain(a + "compressor.wgate", dtype) if ratio > 1 else None,
+                self.t(a + "compressor.norm.weight"), self.plain(a + "indexer.wk"),
+                self.t(a + "indexer.k_norm.weight"), cfg.rms_norm_eps, cfg.rope_head_dim)
+        if role.runs_indexer:
+            indexer = Indexer(layer, role.compress_ratio, self.linear(a + "indexer.wq_b"),
+                              self.plain(a + "indexer.weights_proj"), cfg.index_num_heads, cfg.index_head_dim,
+                              cfg.rope_head_dim, cfg.index_topk, role.is_candidate_source, role.uses_candidates,
+                              cfg.candidate_topk_blocks, cfg.candidate_block_size, self.bi)
+        weights = AttentionWeights(
+            wq_a=self.linear(a + "wq_a"), q_norm=self.t(a + "q_norm.weight"), wq_b=self.linear(a + "wq_b"),
+            wkv=self.linear(a + "wkv"), kv_norm=self.t(a + "kv_norm.weight"), wo_a=self.dequantized(a + "wo_a"),
+            wo_b=self.linear(a + "wo_b"), sink=self.t(a + "attn_sink").float())
+        attention = Attention(cfg, role, weights, compressor, indexer, self.bi, self.options.reference_layout)
+        f = p + "ffn."
+        router = Router(self.t(f + "gate.weight").float(), self.t(f + "gate.bias").float(),
+                        cfg.num_experts_per_token, cfg.scoring_func, cfg.norm_topk_prob,
+                        cfg.routed_scaling_factor, cfg.gate_temperature, self.bi)
+        experts = {e: self.expert(f"{f}experts.{e}") for e in self.local_experts()}
+        moe = MoE(router, experts, self.expert(f + "shared_experts"), cfg.num_routed_experts)
+        engram = None
+        if role.has_engram:
+            e = p + "engram."
+            table = self.t(e + "embed.weight")
+            if table.dtype == torch.float8_e4m3fn:
+                table = dequantize_fp8_rows(table, self.t(e + "embed.scale"))
+            engram = Engram(table, self.linear(e + "wkv"), self.t(e + "q_weight"), self.t(e + "k_weight"),
+                            cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps)
+
+        def hc(sub: str) -> HyperConnection:
+            return HyperConnection(self.t(f"{p}hc_{sub}_fn").float(), self.t(f"{p}hc_{sub}_base").float(),
+                                   self.t(f"{p}hc_{sub}_scale").float(), cfg.hc_mult, cfg.hc_sinkhorn_iters,
+                                   cfg.hc_eps, cfg.rms_norm_eps)
+
+        return Block(layer, cfg, attention, moe, self.t(p + "attn_norm.weight"), self.t(p + "ffn_norm.weight"),
+                     hc("attn"), hc("ffn"), engram, self.bi).to(device)
+
+    def local_experts(self) -> range:
+        return range(self.cfg.num_routed_experts)
+
+
+def load_model(path: str | Path, options: ModelOptions | None = None, device: str | torch.device = "cpu",
+               expert_range: range | None = None) -> V41Model:
+    """Load a checkpoint directory. ``expert_range``: the routed experts this rank holds (all by default)."""
+    path = Path(path)
+    options = options or ModelOptions()
+    cfg = V41Config.from_pretrained(path)
+    reader = CheckpointReader(path)
+    validate_checkpoint(cfg, reader)
+    builder = _Builder(cfg, reader, options)
+    if expert_range is not None:
+        builder.local_experts = lambda: expert_range  # type: ignore[method-assign]
+    hasher = None
+    if cfg.engram_layer_ids:
+        lookup, size, pad = load_engram_token_map(path, cfg)
+        hasher = NgramHasher.build(cfg, lookup, size, pad).to(device)
+    blocks = [builder.block(layer, device) for layer in range(cfg.num_layers)]
+    return V41Model(cfg, options, builder.t("embed.weight").to(device), blocks,
+                    builder.t("norm.weight").to(device), builder.t("head.weight").float().to(device), hasher)

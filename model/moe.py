@@ -1,0 +1,133 @@
+"""The V4.1 mixture of experts: a sqrt-softplus router, top-k routed SwiGLU experts, one shared expert.
+
+The router's correction bias only *selects* experts; the routing weights are the unbiased scores of
+the selected experts, renormalised and scaled. The routing weight multiplies the expert's hidden
+activation before its down projection (not the output). SwiGLU is clamped: the up branch on both
+sides, the gate branch from above. Each token's output is summed in fp32 over its experts in
+increasing expert id, then the shared expert's output is added, as the reference does.
+
+With expert parallelism each rank holds a contiguous range of experts; ``ExpertDispatcher``
+(workers/) moves tokens to the ranks owning their experts and the per-(token, slot) outputs back,
+so the final sum happens in the same order on every configuration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .gemm import dense_linear
+from .layers import Linear
+
+
+@dataclass
+class Expert:
+    w1: Linear  # gate projection
+    w2: Linear  # down projection
+    w3: Linear  # up projection
+    swiglu_limit: float
+
+    def to(self, device) -> "Expert":
+        for lin in (self.w1, self.w2, self.w3):
+            lin.to(device)
+        return self
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        gate = self.w1(x).float()
+        up = self.w3(x).float()
+        if self.swiglu_limit > 0:
+            up = torch.clamp(up, min=-self.swiglu_limit, max=self.swiglu_limit)
+            gate = torch.clamp(gate, max=self.swiglu_limit)
+        hidden = F.silu(gate) * up
+        if weights is not None:
+            hidden = weights * hidden
+        return self.w2(hidden.to(x.dtype))
+
+
+@dataclass
+class Router:
+    weight: torch.Tensor  # [experts, D] bf16
+    bias: torch.Tensor  # [experts] fp32
+    top_k: int
+    score_func: str
+    norm_topk_prob: bool
+    route_scale: float
+    temperature: float
+    batch_invariant: bool
+
+    def to(self, device) -> "Router":
+        self.weight, self.bias = self.weight.to(device), self.bias.to(device)
+        return self
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] -> (weights [N, k] fp32, expert ids [N, k]) in descending biased-score order."""
+        scores = dense_linear(x.float(), self.weight.float(), self.batch_invariant) / self.temperature
+        if self.score_func == "softmax":
+            scores = scores.softmax(dim=-1)
+        elif self.score_func == "sigmoid":
+            scores = scores.sigmoid()
+        else:
+            scores = F.softplus(scores).sqrt()
+        indices = (scores + self.bias).topk(self.top_k, dim=-1)[1]
+        weights = scores.gather(1, indices)
+        if self.norm_topk_prob and self.top_k > 1:
+            weights /= weights.sum(dim=-1, keepdim=True) + 1e-20  # not the norm eps: as in training
+        weights *= self.route_scale
+        return weights, indices
+
+
+# (tokens [n, D], routing weights [n, 1]) -> outputs [n, D] of one expert
+ExpertFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class MoE:
+    def __init__(self, router: Router, experts: dict[int, Expert], shared: Expert, num_experts: int):
+        self.router, self.experts, self.shared, self.num_experts = router, experts, shared, num_experts
+        # set by an expert-parallel runtime: computes routed outputs across ranks
+        self.dispatcher = None
+
+    def to(self, device) -> "MoE":
+        self.router.to(device)
+        self.shared.to(device)
+        for expert in self.experts.values():
+            expert.to(device)
+        return self
+
+    def run_local_expert(self, expert_id: int, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.experts[expert_id](x, weights)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weights, indices = self.router(x)
+        if self.dispatcher is not None:
+            routed = self.dispatcher(self, x, weights, indices)
+        else:
+            routed = routed_outputs(x, weights, indices, self.run_local_expert, self.num_experts)
+        y = combine_routed(routed, indices)
+        y += self.shared(x)
+        return y.to(x.dtype)
+
+
+def routed_outputs(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, run: ExpertFn,
+                   num_experts: int) -> torch.Tensor:
+    """Output of every (token, slot) pair [N, k, D] (bf16), one expert at a time."""
+    out = torch.zeros(*indices.shape, x.shape[-1], dtype=x.dtype, device=x.device)
+    counts = torch.bincount(indices.flatten(), minlength=num_experts).tolist()
+    for expert_id, count in enumerate(counts):
+        if count == 0:
+            continue
+        tok, slot = torch.where(indices == expert_id)
+        out[tok, slot] = run(expert_id, x[tok], weights[tok, slot, None])
+    return out
+
+
+def combine_routed(routed: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Sum each token's expert outputs in fp32, in increasing expert id (the reference's order)."""
+    order = torch.argsort(indices, dim=-1)
+    ordered = torch.gather(routed, 1, order.unsqueeze(-1).expand_as(routed))
+    y = torch.zeros(routed.shape[0], routed.shape[-1], dtype=torch.float32, device=routed.device)
+    for slot in range(ordered.shape[1]):
+        y += ordered[:, slot]
+    return y

@@ -1,0 +1,68 @@
+"""Rotary position embedding of V4.1: interleaved pairs, YaRN on the compressed layers.
+
+Pure sliding-window layers (compress ratio 0) rotate with ``rope_theta`` and no YaRN; compressed
+layers use ``compress_rope_theta`` with YaRN frequency interpolation (no attention-scale
+correction). Rotation happens in fp32 on complex numbers formed from adjacent element pairs of
+the trailing ``rope_head_dim`` dims, and the result is written back in the tensor's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import V41Config
+
+
+def rope_frequencies(dim: int, theta: float, factor: float, original_len: int,
+                     beta_fast: float, beta_slow: float) -> torch.Tensor:
+    """Angular frequency of each of the ``dim // 2`` rotated pairs (fp32)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if original_len > 0:
+        # the pair whose wavelength completes `turns` rotations over the original training length
+        def pair_index(turns: float) -> float:
+            return dim * math.log(original_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+        low = max(math.floor(pair_index(beta_fast)), 0)
+        high = min(math.ceil(pair_index(beta_slow)), dim - 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        keep = 1 - ramp  # 1 for fast-rotating pairs (kept), 0 for slow ones (divided by factor)
+        freqs = freqs / factor * (1 - keep) + freqs * keep
+    return freqs
+
+
+class RotaryTable:
+    """Complex rotations ``exp(i * p * freq)`` for every position up to ``max_positions``."""
+
+    def __init__(self, freqs: torch.Tensor, max_positions: int, device: torch.device | str = "cpu"):
+        angles = torch.outer(torch.arange(max_positions), freqs)
+        self.table = torch.polar(torch.ones_like(angles), angles).to(device)
+
+    @classmethod
+    def for_layer(cls, cfg: V41Config, compress_ratio: int, device: torch.device | str = "cpu") -> "RotaryTable":
+        if compress_ratio:
+            freqs = rope_frequencies(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.rope_factor,
+                                     cfg.original_max_position_embeddings, cfg.beta_fast, cfg.beta_slow)
+        else:
+            freqs = rope_frequencies(cfg.rope_head_dim, cfg.rope_theta, 1.0, 0, cfg.beta_fast, cfg.beta_slow)
+        return cls(freqs, cfg.max_position_embeddings, device)
+
+    def to(self, device: torch.device | str) -> "RotaryTable":
+        self.table = self.table.to(device)
+        return self
+
+    def rotate_(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """Rotate the trailing ``rope_head_dim`` dims of ``x`` in place.
+
+        ``x`` is ``[T, rope_dims]`` or ``[T, H, rope_dims]`` (a view into a larger tensor is fine);
+        ``positions`` is ``[T]``. ``inverse`` rotates back (used on the attention output).
+        """
+        rot = self.table[positions]
+        if inverse:
+            rot = rot.conj()
+        if x.ndim == 3:
+            rot = rot.unsqueeze(1)
+        pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+        x.copy_(torch.view_as_real(pairs * rot).flatten(-2))
+        return x
