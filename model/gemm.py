@@ -34,15 +34,23 @@ def block_scaled_linear(x: torch.Tensor, values: torch.Tensor, scales: torch.Ten
     """
     shape = x.shape
     k = shape[-1]
+    n = values.shape[0]
     q, act_scale = fp8_quantize(x.reshape(-1, k), ACT_BLOCK)
     a = q.float()
-    acc = torch.zeros(a.shape[0], values.shape[0], dtype=torch.float32, device=x.device)
-    for block in range(k // ACT_BLOCK):
-        cols = slice(block * ACT_BLOCK, (block + 1) * ACT_BLOCK)
-        partial = dense_linear(a[:, cols], values[:, cols], batch_invariant)
-        partial = partial * act_scale[:, block:block + 1] * scales[:, block].unsqueeze(0)
-        acc += partial
-    return acc.to(out_dtype).view(*shape[:-1], values.shape[0])
+    m, blocks = a.shape[0], k // ACT_BLOCK
+    if batch_invariant:
+        # every (row, K block) partial is its own [1, 32] x [32, N] product; the weight block is
+        # broadcast over the rows (stride 0), never copied
+        partials = [torch.bmm(a[:, b * ACT_BLOCK:(b + 1) * ACT_BLOCK].unsqueeze(1),
+                              values[:, b * ACT_BLOCK:(b + 1) * ACT_BLOCK].t().unsqueeze(0).expand(m, -1, -1)).squeeze(1)
+                    for b in range(blocks)]
+    else:
+        partials = [a[:, b * ACT_BLOCK:(b + 1) * ACT_BLOCK] @ values[:, b * ACT_BLOCK:(b + 1) * ACT_BLOCK].T
+                    for b in range(blocks)]
+    acc = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    for block in range(blocks):
+        acc += partials[block] * act_scale[:, block:block + 1] * scales[:, block].unsqueeze(0)
+    return acc.to(out_dtype).view(*shape[:-1], n)
 
 
 def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -51,13 +51,13 @@ def _attend_rows(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: t
     for start in range(0, kv.shape[1], BLOCK):
         ok = valid[:, start:start + BLOCK]
         kv_block = kv[:, start:start + BLOCK].float() * ok.unsqueeze(-1)  # holes are zero rows
-        scores = torch.einsum("thd,tkd->thk", qf, kv_block)
+        scores = torch.bmm(qf, kv_block.transpose(1, 2))  # [T, H, blk]
         scores = torch.where(ok.unsqueeze(1), scores, -torch.inf) * scale_t
         previous_max = running_max
         running_max = torch.maximum(previous_max, scores.amax(dim=-1))
         rescale = torch.exp(previous_max - running_max)
         p = torch.exp(scores - running_max.unsqueeze(-1))
         sum_exp = sum_exp * rescale + p.sum(dim=-1)
-        acc_o = acc_o * rescale.unsqueeze(-1) + torch.einsum("thk,tkd->thd", p.to(torch.bfloat16).float(), kv_block)
+        acc_o = acc_o * rescale.unsqueeze(-1) + torch.bmm(p.to(torch.bfloat16).float(), kv_block)
     sum_exp = sum_exp + torch.exp(sink.float() - running_max)
     return (acc_o / sum_exp.unsqueeze(-1)).to(torch.bfloat16)

@@ -1,7 +1,6 @@
 """Per-request sampling parameters and their per-step batched tensor form.
 
-SamplingParams is plain Python (it will move to engine_core with the request types; it is
-re-exported by workers.sampler). SamplingBatch turns one step's rows into device tensors
+SamplingParams is the wire type of engine_core.protocol (re-exported by workers.sampler). SamplingBatch turns one step's rows into device tensors
 once, so the sampler itself is a fixed sequence of batched tensor ops.
 
 Every per-row tensor is chosen so that a row whose feature is off is left bit-for-bit
@@ -20,46 +19,8 @@ import torch
 
 from workers import sampling_noise
 
-# Temperatures below this are treated as greedy: dividing logits by ~0 would overflow,
-# and the limit of sampling as T -> 0 is argmax anyway (vLLM uses the same cut-off).
-GREEDY_TEMPERATURE_EPS = 1e-5
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request wants its tokens chosen (OpenAI / vLLM semantics)."""
-
-    temperature: float = 1.0  # 0 => greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1 => disabled
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] | None = None
-    seed: int | None = None  # None => the engine assigns random_seed() before scheduling
-    logprobs: int | None = None  # top-N logprobs per sampled token (0 => sampled token only)
-    prompt_logprobs: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        for name in ("logprobs", "prompt_logprobs"):
-            n = getattr(self, name)
-            if n is not None and n < 0:
-                raise ValueError(f"{name} must be >= 0 or None, got {n}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE_EPS
+# SamplingParams travels in step plans, so it lives with the other wire types.
+from engine_core.protocol import GREEDY_TEMPERATURE_EPS, SamplingParams  # noqa: E402,F401
 
 
 def random_seed() -> int:

@@ -1,0 +1,107 @@
+"""The engine core: requests in, scheduled steps out to the workers, token deltas back.
+
+``step`` is one turn of the busy loop. With zero-overhead scheduling (ZOS) it plans and launches
+step N+1 *before* waiting for step N, so the CPU's scheduling work overlaps the device's; the
+plan references tokens of step N that are still on the device, and step N's results are applied
+after step N+1 is already running. ``--no-zos`` waits for each step before planning the next.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .config import EngineConfig
+from .executor import Executor
+from .protocol import AddRequest, RequestOutput, SchedulerStats, StepPlan
+from .scheduler import Scheduler, SchedulerConfig
+from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+def random_seed() -> int:
+    import secrets
+
+    return secrets.randbits(63)
+
+
+@dataclass
+class InFlight:
+    plan: StepPlan
+    handle: Any
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor):
+        self.config = config
+        self.executor = executor
+        info = executor.info
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            num_blocks=info.num_blocks, num_state_slots=info.num_slots, block_size=config.block_size,
+            max_model_len=info.max_model_len, eos_token_id=info.eos_token_id, dp_size=config.dp_size))
+        self.vocab_size = info.vocab_size
+        self.max_model_len = info.max_model_len
+        self._seq_ids = itertools.count()
+        self._in_flight: InFlight | None = None
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: AddRequest) -> None:
+        """Queue a request; raises ValueError with a user-facing message if it cannot run."""
+        ids = request.prompt_token_ids
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        params = request.params
+        seed = params.seed if params.seed is not None else random_seed()
+        seq = Sequence(next(self._seq_ids), request.request_id, list(ids), params, seed,
+                       arrival_time=request.arrival_time or time.time())
+        self.scheduler.add(seq)
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Abort requests (idempotent); returns a final output for each one that was live."""
+        outputs = []
+        for request_id in request_ids:
+            seq = self.scheduler.abort(request_id)
+            if seq is not None:
+                outputs.append(RequestOutput(request_id, [], "abort", None, seq.num_prompt_tokens))
+        return outputs
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or self._in_flight is not None
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    # ------------------------------------------------------------------ the loop body
+    def step(self) -> list[RequestOutput]:
+        """Plan and launch the next step; apply the results of the previous one (or of this one
+        without ZOS). Returns the request outputs that became known."""
+        plan = self.scheduler.schedule()
+        launched = InFlight(plan, self.executor.submit(plan)) if plan is not None else None
+        if not self.config.zos:
+            return self._apply(launched) if launched is not None else []
+        previous, self._in_flight = self._in_flight, launched
+        return self._apply(previous) if previous is not None else []
+
+    def drain(self) -> list[RequestOutput]:
+        """Wait for the step in flight (if any) and apply it."""
+        previous, self._in_flight = self._in_flight, None
+        return self._apply(previous) if previous is not None else []
+
+    def _apply(self, flight: InFlight) -> list[RequestOutput]:
+        results = self.executor.collect(flight.handle)
+        for result in results:
+            if result.error:
+                raise RuntimeError(f"worker rank {result.rank} failed in step {result.step_id}: {result.error}")
+        return self.scheduler.update(results)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

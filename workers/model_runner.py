@@ -1,0 +1,177 @@
+"""The model runner of one worker: turns a step plan into a forward over the caches, and samples.
+
+It owns the model replica, its ``V41Cache`` (paged blocks + state slots, allocated once), and the
+tokens it sampled in the previous step, kept on the device: with zero-overhead scheduling a decode
+input the CPU has not seen yet is taken from there (``SequenceStep.prev_row``). ``execute`` only
+launches work; every device-to-host read of a step happens in ``collect`` (the one wait point).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine_core.config import EngineConfig
+from engine_core.protocol import RankBatch, SampledToken, SequenceStep, StepResult, TokenLogprob
+from model.batch import ForwardBatch, SequenceChunk
+from model.cache import V41Cache
+from model.loader import load_model
+from model.transformer import ModelOptions, V41Model
+
+from .cache_sizing import CacheCapacity, free_cuda_bytes_after_profile, plan_capacity
+from .sampler import RowSpec, SamplingBatch, prompt_logprobs, sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingStep:
+    """A launched step whose results are still on the device."""
+
+    step_id: int
+    sequences: list[SequenceStep]
+    sampled: torch.Tensor | None  # [rows with sample] token ids
+    sampled_logprobs: torch.Tensor | None
+    top_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
+    sample_index: list[int]  # sequence index of each sampled row
+    prompt_logprobs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # seq index -> tensors
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, rank: int = 0, expert_range: range | None = None):
+        self.config, self.rank = config, rank
+        self.device = torch.device(config.device if config.device == "cpu" else f"cuda:{torch.cuda.current_device()}")
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads)
+        options = ModelOptions(batch_invariant=config.resolved_batch_invariant,
+                               official_index_handoff=config.official_index_handoff)
+        self.model: V41Model = load_model(config.model, options, self.device, expert_range)
+        self.cfg = self.model.cfg
+        free = None
+        if self.device.type == "cuda":
+            free = free_cuda_bytes_after_profile(config, self._profile_forward)
+        self.capacity: CacheCapacity = plan_capacity(config, self.cfg, free)
+        self.cache = V41Cache.allocate(self.cfg, self.capacity.num_blocks, self.capacity.num_slots,
+                                       config.block_size, self.device)
+        self.last_sampled = torch.full((0,), -1, dtype=torch.long, device=self.device)
+
+    def _profile_forward(self) -> None:
+        n = min(self.config.max_num_batched_tokens, self.cfg.max_position_embeddings)
+        blocks = -(-n // self.config.block_size)
+        scratch = V41Cache.allocate(self.cfg, blocks + 1, 1, self.config.block_size, self.device)
+        batch = ForwardBatch.build([[0] * n], [0], [0], [list(range(1, blocks + 1))], device=self.device)
+        self.model.logits(self.model.forward(batch, scratch)[-1:])
+        del scratch
+
+    # ------------------------------------------------------------------ one step
+    def execute(self, step_id: int, work: RankBatch) -> PendingStep:
+        seqs = work.sequences
+        if not seqs:
+            self.last_sampled = self.last_sampled[:0]
+            return PendingStep(step_id, [], None, None, None, None, [], {})
+        batch = self._forward_batch(seqs)
+        hidden = self.model.forward(batch, self.cache)
+        sample_index = [i for i, s in enumerate(seqs) if s.sample]
+        logit_rows = [batch.offsets[i] + len(seqs[i].token_ids) - 1 for i in sample_index]
+        prompt_rows = {i: (batch.offsets[i], len(s.prompt_logprob_targets))
+                       for i, s in enumerate(seqs) if s.prompt_logprob_targets}
+        rows = logit_rows + [o + j for o, n in prompt_rows.values() for j in range(n)]
+        logits = self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]) if rows else None
+        sampled = top_ids = top_lp = chosen_lp = None
+        last = torch.full((len(seqs),), -1, dtype=torch.long, device=self.device)
+        if sample_index:
+            sample_logits = logits[: len(sample_index)]
+            output = sample(self._suppress(sample_logits, seqs, sample_index),
+                            self._sampling_batch(seqs, sample_index))
+            sampled, chosen_lp, top_ids, top_lp = (output.token_ids, output.logprobs, output.top_logprob_ids,
+                                                   output.top_logprobs)
+            last[torch.tensor(sample_index, device=self.device)] = sampled
+        self.last_sampled = last
+        prompt = {}
+        offset = len(sample_index)
+        for i, (_, n) in prompt_rows.items():
+            step = seqs[i]
+            targets = torch.tensor(step.prompt_logprob_targets, dtype=torch.long, device=self.device)
+            result = prompt_logprobs(logits[offset:offset + n], targets, step.params.prompt_logprobs or 0)
+            prompt[i] = (result.token_logprobs, result.top_ids, result.top_logprobs)
+            offset += n
+        return PendingStep(step_id, seqs, sampled, chosen_lp, top_ids, top_lp, sample_index, prompt)
+
+    def collect(self, pending: PendingStep) -> StepResult:
+        """Bring a step's results to the CPU (the only device-to-host synchronisation of a step)."""
+        tokens: dict[int, SampledToken] = {}
+        if pending.sampled is not None:
+            ids = pending.sampled.tolist()
+            lps = pending.sampled_logprobs.tolist()
+            top_ids = pending.top_ids.tolist() if pending.top_ids is not None else None
+            top_lps = pending.top_logprobs.tolist() if pending.top_logprobs is not None else None
+            for row, i in enumerate(pending.sample_index):
+                step = pending.sequences[i]
+                logprob = None
+                n = step.params.logprobs
+                if n is not None:
+                    logprob = TokenLogprob(ids[row], lps[row], top_ids[row][:n] if n else [],
+                                           top_lps[row][:n] if n else [])
+                tokens[i] = SampledToken(step.seq_id, step.epoch, ids[row], logprob)
+        for i, (lp, tids, tlps) in pending.prompt_logprobs.items():
+            step = pending.sequences[i]
+            entries = [TokenLogprob(t, v, a, b) for t, v, a, b in
+                       zip(step.prompt_logprob_targets, lp.tolist(), tids.tolist(), tlps.tolist())]
+            token = tokens.get(i) or SampledToken(step.seq_id, step.epoch, -1)
+            token.prompt_logprobs = entries
+            tokens[i] = token
+        return StepResult(pending.step_id, self.rank, [tokens[i] for i in sorted(tokens)])
+
+    # ------------------------------------------------------------------ helpers
+    def _forward_batch(self, seqs: list[SequenceStep]) -> ForwardBatch:
+        flat, positions, chunks = [], [], []
+        refs, ref_rows = [], []
+        for step in seqs:
+            if step.prev_row >= 0:
+                refs.append(len(flat))
+                ref_rows.append(step.prev_row)
+            flat.extend(step.token_ids)
+            positions.extend(range(step.start, step.start + len(step.token_ids)))
+            chunks.append(SequenceChunk(step.start, len(step.token_ids), step.slot,
+                                        torch.tensor(step.block_table, dtype=torch.long, device=self.device),
+                                        step.previous_start))
+        token_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
+        if refs:
+            # tokens sampled by the previous step, still on the device
+            token_ids[torch.tensor(refs, device=self.device)] = self.last_sampled[torch.tensor(ref_rows, device=self.device)]
+        return ForwardBatch(token_ids, torch.tensor(positions, dtype=torch.long, device=self.device), chunks)
+
+    def _sampling_batch(self, seqs: list[SequenceStep], sample_index: list[int]) -> SamplingBatch:
+        rows = []
+        for i in sample_index:
+            step = seqs[i]
+            history = step.history_token_ids
+            rows.append(RowSpec(step.params, step.seed, step.start + len(step.token_ids),
+                                history[:step.num_prompt_tokens], history[step.num_prompt_tokens:]))
+        batch = SamplingBatch.build(rows, self.cfg.vocab_size, self.device)
+        # penalties must also see an output token that is still on the device
+        pending = [(r, i) for r, i in enumerate(sample_index) if seqs[i].prev_row >= 0 and seqs[i].params.uses_penalties]
+        if pending and (batch.output_counts is not None or batch.seen_mask is not None):
+            r_idx = torch.tensor([r for r, _ in pending], device=self.device)
+            toks = self.last_sampled[torch.tensor([seqs[i].prev_row for _, i in pending], device=self.device)]
+            if batch.output_counts is not None:
+                batch.output_counts.index_put_((r_idx, toks), torch.ones_like(toks, dtype=torch.float32), accumulate=True)
+            if batch.seen_mask is not None:
+                batch.seen_mask[r_idx, toks] = True
+        return batch
+
+    def _suppress(self, logits: torch.Tensor, seqs: list[SequenceStep], sample_index: list[int]) -> torch.Tensor:
+        """Stop tokens a request may not produce yet (before min_tokens) get -inf."""
+        rows, cols = [], []
+        for r, i in enumerate(sample_index):
+            for token in seqs[i].suppress_token_ids:
+                rows.append(r)
+                cols.append(token)
+        if not rows:
+            return logits
+        logits = logits.clone()
+        logits[torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)] = -torch.inf
+        return logits
