@@ -112,6 +112,7 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # position 0 has none: starts at token 1
     first_scheduled_time: float = 0.0  # when its prefill was first scheduled (queue time)
+    error: str = ""  # the engine rejected the request (finish_reason "abort"): why
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -137,8 +138,12 @@ class UtilityRequest(msgspec.Struct, array_like=True):
 
 class UtilityResponse(msgspec.Struct, array_like=True):
     call_id: int
-    result: str = ""
+    result: str = ""  # "pong", "ready", or (with ENGINE_DEAD) why the engine died
     stats: SchedulerStats | None = None
+    # with "ready": what the frontend needs to validate requests
+    max_model_len: int = 0
+    vocab_size: int = 0
+    eos_token_id: int | None = None
 
 
 # ----------------------------------------------------------------------------- core <-> workers
@@ -192,7 +197,16 @@ class StepResult(msgspec.Struct, array_like=True):
 
 
 class WorkerControl(msgspec.Struct, array_like=True):
-    command: str  # "shutdown" | "ping"
+    command: str  # "shutdown" | "ping" | "pong" | "ready"
+    rank: int = -1
+    nonce: int = 0
+    # with "ready": the worker's cache geometry and model facts
+    num_blocks: int = 0
+    num_slots: int = 0
+    max_model_len: int = 0
+    vocab_size: int = 0
+    eos_token_id: int | None = None
+    error: str = ""
 
 
 # ----------------------------------------------------------------------------- encoding helpers

@@ -85,8 +85,11 @@ class Attention:
                 self.compressor(x, batch, cache, self.rope)
             if self.indexer is not None:
                 self._select(x, qr, batch, cache, state)
-        kv_rows, valid, widths = self._gather_entries(kv, batch, cache, state)
-        o = sparse_attention(q, kv_rows, valid, widths, w.sink, self.scale)
+        if batch.num_tokens:
+            kv_rows, valid, widths = self._gather_entries(kv, batch, cache, state)
+            o = sparse_attention(q, kv_rows, valid, widths, w.sink, self.scale)
+        else:
+            o = torch.zeros_like(q)
         self.rope.rotate_(o[..., -rd:], pos, inverse=True)
         self._write_window(kv, batch, cache)
         return w.wo_b(self._grouped_output(o))
@@ -154,13 +157,13 @@ class Attention:
         cfg = self.cfg
         t = o.shape[0]
         groups = cfg.o_groups
-        o = o.reshape(t, groups, -1)
+        o = o.reshape(t, groups, cfg.num_heads * cfg.head_dim // groups)
         wo_a = self.w.wo_a.view(groups, cfg.o_lora_rank, -1)
         if self.batch_invariant:
-            # one [1, d] x [d, r] product per (token, group), as in a reference decode step
-            out = torch.bmm(o.reshape(t * groups, 1, -1),
-                            wo_a.transpose(1, 2).unsqueeze(0).expand(t, -1, -1, -1).reshape(t * groups, -1, cfg.o_lora_rank))
-            out = out.view(t, groups, cfg.o_lora_rank)
+            # one [1, d] x [d, r] product per (token, group), as in a reference decode step; the
+            # group's weight is broadcast over the tokens (stride 0), not copied
+            out = torch.stack([torch.bmm(o[:, g].unsqueeze(1), wo_a[g].t().unsqueeze(0).expand(t, -1, -1)).squeeze(1)
+                               for g in range(groups)], dim=1)
         else:
             out = torch.einsum("tgd,grd->tgr", o, wo_a)
         return out.flatten(1)

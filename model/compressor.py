@@ -63,6 +63,9 @@ class Compressor:
 
         Updates the compressor tails of the sequences (the open group at the end of each chunk)."""
         device = x.device
+        if x.shape[0] == 0:
+            nothing = torch.empty(0, dtype=torch.long, device=device)
+            return x.new_empty(0, self.norm.shape[0]), nothing, nothing
         if self.ratio == 1:
             latents = rms_norm(self.wkv(x), self.norm, self.eps)
             seq_of_entry = torch.cat([torch.full((c.length,), b, dtype=torch.long, device=device)

@@ -69,6 +69,8 @@ class NgramHasher:
     def __call__(self, batch: ForwardBatch, cache: V41Cache) -> torch.Tensor:
         """[T, layers, (max_ngram - 1) * heads] hash ids; updates the sequences' n-gram history."""
         compressed = self.token_map[batch.token_ids]
+        if batch.num_tokens == 0:
+            return self.offsets.new_zeros(0, *self.offsets.shape)
         history = cache.engram_history
         keep = cache.history_len
         lookback = []  # lookback[i][t] = compressed id i positions before token t (pad before the start)

@@ -57,6 +57,7 @@ class ModelRunner:
         self.cache = V41Cache.allocate(self.cfg, self.capacity.num_blocks, self.capacity.num_slots,
                                        config.block_size, self.device)
         self.last_sampled = torch.full((0,), -1, dtype=torch.long, device=self.device)
+        self.always_run_forward = False  # set under expert parallelism: collectives need every rank
 
     def _profile_forward(self) -> None:
         n = min(self.config.max_num_batched_tokens, self.cfg.max_position_embeddings)
@@ -71,6 +72,8 @@ class ModelRunner:
         seqs = work.sequences
         if not seqs:
             self.last_sampled = self.last_sampled[:0]
+            if self.always_run_forward:  # a placeholder step: no tokens, but every all-to-all
+                self.model.forward(self._forward_batch([]), self.cache)
             return PendingStep(step_id, [], None, None, None, None, [], {})
         batch = self._forward_batch(seqs)
         hidden = self.model.forward(batch, self.cache)

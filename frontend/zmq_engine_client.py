@@ -1,0 +1,181 @@
+"""The frontend's link to a real engine-core process, over ZeroMQ (asyncio).
+
+One PUSH socket carries requests and aborts to the engine core, one PULL socket brings back its
+outputs (batched per step); both are bound here, on endpoints unique to this server. A task reads
+outputs and routes each delta to its request's queue; another watches the engine process, so a
+crash is noticed even when no output arrives. A request whose consumer goes away (client
+disconnect cancels the handler) is aborted in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from engine_core.config import EngineConfig
+from engine_core.engine_process import engine_main
+from engine_core.ipc import Endpoints, asend, decode_as, make_socket, split
+from engine_core.protocol import (AbortRequests, AddRequest, EngineOutputs, MessageType, RequestOutput,
+                                  SamplingParams, SchedulerStats, UtilityRequest, UtilityResponse)
+
+from .engine_client import EngineClientBase, EngineDeadError, EngineInfo
+
+log = logging.getLogger(__name__)
+STARTUP_TIMEOUT_S = 900.0
+MONITOR_INTERVAL_S = 1.0
+
+
+class ZmqEngineClient(EngineClientBase):
+    def __init__(self, config: EngineConfig, log_level: str = "INFO"):
+        self.config, self.log_level = config, log_level
+        self.endpoints = Endpoints.local()
+        self.context = zmq.asyncio.Context()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._pending_calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._stats = SchedulerStats()
+        self._dead_reason: str | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.process: multiprocessing.Process | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self.requests = make_socket(self.context, zmq.PUSH, self.endpoints.requests, bind=True)
+        self.outputs = make_socket(self.context, zmq.PULL, self.endpoints.outputs, bind=True)
+        ctx = multiprocessing.get_context("spawn")
+        self.process = ctx.Process(target=engine_main, name="mini-deepinfer-engine-core",
+                                   args=(msgspec.json.encode(self.config), msgspec.json.encode(self.endpoints),
+                                         self.log_level))
+        self.process.start()
+        ready = await self._wait_ready()
+        self.info = EngineInfo(ready.max_model_len, ready.vocab_size, ready.eos_token_id)
+        if ready.stats is not None:
+            self._stats = ready.stats
+        self._tasks = [asyncio.create_task(self._read_outputs(), name="engine-outputs"),
+                       asyncio.create_task(self._monitor(), name="engine-monitor")]
+
+    async def _wait_ready(self) -> UtilityResponse:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if await self.outputs.poll(200):
+                kind, payload = split(await self.outputs.recv_multipart(copy=False))
+                message = decode_as(payload, UtilityResponse)
+                if kind is MessageType.ENGINE_DEAD:
+                    raise EngineDeadError(f"the engine failed to start: {message.result}")
+                if kind is MessageType.UTILITY_RESPONSE and message.result == "ready":
+                    return message
+            elif not self.process.is_alive():
+                raise EngineDeadError(f"the engine process exited during startup (code {self.process.exitcode})")
+        raise EngineDeadError(f"the engine did not become ready within {STARTUP_TIMEOUT_S:.0f} s")
+
+    async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.process is not None and self.process.is_alive():
+            self.process.terminate()
+            await asyncio.get_running_loop().run_in_executor(None, self.process.join, 10)
+            if self.process.is_alive():
+                self.process.kill()
+        self.requests.close()
+        self.outputs.close()
+        self.context.term()
+        self.endpoints.cleanup()
+
+    # ------------------------------------------------------------------ background tasks
+    async def _read_outputs(self) -> None:
+        while True:
+            kind, payload = split(await self.outputs.recv_multipart(copy=False))
+            if kind is MessageType.OUTPUTS:
+                batch = decode_as(payload, EngineOutputs)
+                self._stats = batch.stats
+                for output in batch.outputs:
+                    queue = self._queues.get(output.request_id)
+                    if queue is not None:
+                        queue.put_nowait(output)
+            elif kind is MessageType.UTILITY_RESPONSE:
+                response = decode_as(payload, UtilityResponse)
+                future = self._pending_calls.pop(response.call_id, None)
+                if future is not None and not future.done():
+                    future.set_result(response)
+                if response.stats is not None:
+                    self._stats = response.stats
+            elif kind is MessageType.ENGINE_DEAD:
+                self._die(decode_as(payload, UtilityResponse).result)
+
+    async def _monitor(self) -> None:
+        while self._dead_reason is None:
+            await asyncio.sleep(MONITOR_INTERVAL_S)
+            if not self.process.is_alive():
+                self._die(f"the engine process exited (code {self.process.exitcode})")
+
+    def _die(self, reason: str) -> None:
+        if self._dead_reason is not None:
+            return
+        self._dead_reason = reason
+        log.error("engine dead: %s", reason)
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError(reason))
+        for future in self._pending_calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead_reason is not None
+
+    # ------------------------------------------------------------------ requests
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            await asend(self.requests, MessageType.ADD, AddRequest(request_id, prompt_token_ids, params, time.time()))
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item.error:
+                    finished = True
+                    raise ValueError(item.error)
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished and self._dead_reason is None:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await asend(self.requests, MessageType.ABORT, AbortRequests([request_id]))
+
+    async def check_health(self, timeout: float = 5.0) -> bool:
+        if self._dead_reason is not None or self.process is None or not self.process.is_alive():
+            return False
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._pending_calls[call_id] = future
+        await asend(self.requests, MessageType.UTILITY, UtilityRequest(call_id, "ping"))
+        try:
+            response = await asyncio.wait_for(future, timeout)
+        except (asyncio.TimeoutError, EngineDeadError):
+            return False
+        finally:
+            self._pending_calls.pop(call_id, None)
+        return response.result == "pong"
+
+    def stats(self) -> SchedulerStats:
+        return self._stats
