@@ -45,7 +45,7 @@ class EngineCore:
             num_blocks=info.num_blocks, num_state_slots=info.num_slots, block_size=config.block_size,
             max_model_len=info.max_model_len, eos_token_id=info.eos_token_id, dp_size=config.dp_size))
         self.vocab_size = info.vocab_size
-        self.max_model_len = info.max_model_len
+        self.max_model_len = self.scheduler.max_len  # the model's limit, or less if the KV cache is smaller
         self._seq_ids = itertools.count()
         self._in_flight: InFlight | None = None
 

@@ -52,6 +52,8 @@ class Scheduler:
                       RefCountedPool(config.num_state_slots, name=f"state slots (rank {r})"))
             for r in range(config.dp_size)
         ]
+        # a sequence can never hold more tokens than one rank's KV blocks cover
+        self.max_len = min(config.max_model_len, (config.num_blocks - 1) * config.block_size)
         self.waiting: deque[Sequence] = deque()
         self.live: dict[int, Sequence] = {}  # waiting or running, by seq_id
         self.by_request: dict[str, Sequence] = {}
@@ -65,11 +67,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self.by_request:
             raise ValueError(f"request id {seq.request_id!r} is already running")
-        capacity = (self.config.num_blocks - 1) * self.config.block_size
-        limit = min(self.config.max_model_len, capacity)
-        if seq.num_tokens >= limit:
-            raise ValueError(f"prompt of {seq.num_tokens} tokens does not fit: the limit is {limit - 1} tokens "
-                             f"(max_model_len {self.config.max_model_len}, KV capacity {capacity} tokens per rank)")
+        if seq.num_tokens >= self.max_len:
+            raise ValueError(f"prompt of {seq.num_tokens} tokens does not fit: the limit is {self.max_len - 1} tokens "
+                             f"(max_model_len {self.config.max_model_len}, KV capacity "
+                             f"{(self.config.num_blocks - 1) * self.config.block_size} tokens per rank)")
         self.waiting.append(seq)
         self.live[seq.seq_id] = seq
         self.by_request[seq.request_id] = seq
@@ -168,10 +169,13 @@ class Scheduler:
         seq.num_cached_tokens = end
         if sample:
             seq.num_inflight_tokens += 1
+            seq.prefill_done = True
         return end - start
 
     def _unblock(self, seq: Sequence, rank: RankState, budget: int, out: list[SequenceStep]) -> int:
-        """A prompt chunk that found no free block: preempt the youngest other sequences until it fits."""
+        """A prompt chunk that found no free block: preempt the youngest *other* sequences until it fits.
+
+        (Preempting the stalled prompt itself would let it be re-admitted and stall again, forever.)"""
         while seq.status is SequenceStatus.RUNNING and not rank.blocks.can_allocate(1):
             others = [s for s in rank.running if s is not seq]
             if not others:
@@ -189,7 +193,7 @@ class Scheduler:
                 if seq.num_cached_tokens != seq.num_tokens + seq.num_inflight_tokens - 1:
                     continue
                 if seq.num_outputs_expected >= seq.params.max_tokens or \
-                        seq.num_tokens + seq.num_inflight_tokens >= cfg.max_model_len:
+                        seq.num_tokens + seq.num_inflight_tokens >= self.max_len:
                     continue  # its last token is in flight: it finishes when that arrives
                 while self._blocks_needed(seq, seq.num_cached_tokens + 1) > rank.blocks.num_free:
                     victim = max(rank.running, key=lambda s: (s.num_outputs_expected, s.arrival_time))
@@ -236,6 +240,7 @@ class Scheduler:
         self._release(seq, rank)
         seq.status = SequenceStatus.WAITING
         seq.num_cached_tokens = seq.num_inflight_tokens = 0
+        seq.prefill_done = False
         seq.previous_start = -1
         seq.epoch += 1
         if not seq.prompt_logprobs_done:
@@ -284,7 +289,7 @@ class Scheduler:
         if stops and n_out >= params.min_tokens:
             seq.stop_token_id = token_id
             self._finish(seq, "stop")
-        elif n_out >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        elif n_out >= params.max_tokens or seq.num_tokens >= self.max_len:
             self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -304,7 +309,7 @@ class Scheduler:
         if seq.params.logprobs is not None:
             logprobs, seq.pending_logprobs = seq.pending_logprobs, []
         prompt_lp = None
-        if seq.prompt_logprobs_done and not seq.prompt_logprobs_sent and seq.params.prompt_logprobs is not None:
+        if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_sent and seq.prompt_logprobs_done:
             prompt_lp, seq.prompt_logprobs_sent = seq.prompt_logprobs or [], True
         return RequestOutput(seq.request_id, new, seq.finish_reason, seq.stop_token_id, seq.num_prompt_tokens,
                              logprobs, prompt_lp, seq.first_scheduled_time)

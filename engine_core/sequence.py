@@ -8,8 +8,9 @@ Token accounting (the invariants the scheduler keeps):
 * ``num_cached_tokens``: positions already submitted for writing into the caches (the steps that
   wrote them may still be in flight).
 
-A sequence is being prefilled while ``num_cached_tokens < num_tokens``; it may take a decode step
-only when ``num_cached_tokens == num_tokens + num_inflight_tokens - 1`` (its newest token, known
+A sequence is being prefilled until the chunk that samples its first new token is scheduled
+(``prefill_done``); it may take a decode step only when
+``num_cached_tokens == num_tokens + num_inflight_tokens - 1`` (its newest token, known
 or in flight, is the one not yet written). Preemption frees its blocks and slot, bumps ``epoch``
 (results of older epochs are dropped) and restarts it from position 0 with the tokens it has.
 """
@@ -48,6 +49,7 @@ class Sequence:
     num_inflight_tokens: int = 0
     epoch: int = 0
     previous_start: int = -1  # start position of the last forward this sequence took part in
+    prefill_done: bool = False  # the chunk ending at its last known token has been scheduled
     first_scheduled_time: float = 0.0
     prompt_logprobs: list[TokenLogprob] | None = None
     # output bookkeeping: how many output tokens were already reported to the client
@@ -75,7 +77,7 @@ class Sequence:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_cached_tokens < self.num_tokens
+        return not self.prefill_done
 
     @property
     def is_finished(self) -> bool:

@@ -21,6 +21,14 @@ from .tokenizer import Tokenizer, TokenizerError
 Prompt = str | list[int]
 
 
+class PromptError(ValueError):
+    """A prompt the engine refused; ``index`` is its position in the ``generate`` call."""
+
+    def __init__(self, index: int, reason: str):
+        super().__init__(f"prompt {index}: {reason}")
+        self.index, self.reason = index, reason
+
+
 @dataclass
 class GenerationResult:
     request_id: str
@@ -58,15 +66,19 @@ class LLM:
                 raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         results: dict[str, GenerationResult] = {}
         order = []
-        for prompt, params in zip(prompts, params_list):
+        for index, (prompt, params) in enumerate(zip(prompts, params_list)):
             request_id = f"offline-{next(self._ids)}"
-            if isinstance(prompt, str):
-                if self.tokenizer is None:
-                    raise ValueError("this checkpoint has no tokenizer: pass token ids")
-                ids, text = self.tokenizer.encode(prompt), prompt
-            else:
-                ids, text = list(prompt), None
-            self.engine.add_request(AddRequest(request_id, ids, params))
+            try:
+                if isinstance(prompt, str):
+                    if self.tokenizer is None:
+                        raise ValueError("this checkpoint has no tokenizer: pass token ids")
+                    ids, text = self.tokenizer.encode(prompt), prompt
+                else:
+                    ids, text = list(prompt), None
+                self.engine.add_request(AddRequest(request_id, ids, params))
+            except ValueError as exc:
+                self.engine.abort(order)  # all or nothing: withdraw the prompts already queued
+                raise PromptError(index, str(exc)) from exc
             results[request_id] = GenerationResult(request_id, text, ids, [], "", None)
             order.append(request_id)
         progress = _progress(len(order), use_tqdm)

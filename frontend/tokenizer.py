@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 
 
 class TokenizerError(ValueError):
@@ -18,6 +18,19 @@ def _token_text(value) -> str | None:
     if isinstance(value, dict):  # {"content": "<...>", ...} form
         return value.get("content")
     return value
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Inverse of the byte-level BPE alphabet: each of the 256 bytes is written as one printable
+    character (printable Latin-1 bytes as themselves, the rest shifted above U+0100)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    char_to_byte = {chr(b): b for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in printable:
+            char_to_byte[chr(256 + shifted)] = b
+            shifted += 1
+    return char_to_byte
 
 
 class Tokenizer:
@@ -37,6 +50,13 @@ class Tokenizer:
         self.chat_template: str | None = self.config.get("chat_template")
         self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
         self.model_max_length = self.config.get("model_max_length")
+        self._compiled_template = None
+        added = self.hf.get_added_tokens_decoder()
+        self._added_tokens = {i: t.content for i, t in added.items()}
+        self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        self._byte_alphabet = _byte_level_alphabet() if isinstance(self.hf.decoder, decoders.ByteLevel) else None
+        self._token_bytes: dict[int, bytes] = {}
+        self._token_strings: dict[int, str] = {}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.hf.encode(text, add_special_tokens=False).ids
@@ -50,58 +70,106 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.hf.id_to_token(token_id)
 
+    # ------------------------------------------------------------------ one token, for logprobs
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (a byte-level token may hold part of a character)."""
+        cached = self._token_bytes.get(token_id)
+        if cached is None:
+            cached = self._token_bytes[token_id] = self._compute_token_bytes(token_id)
+        return cached
+
+    def _compute_token_bytes(self, token_id: int) -> bytes:
+        if token_id in self._added_tokens:
+            return self._added_tokens[token_id].encode()
+        piece = self.hf.id_to_token(token_id)
+        if piece is not None and self._byte_alphabet is not None and all(c in self._byte_alphabet for c in piece):
+            return bytes(self._byte_alphabet[c] for c in piece)
+        return self.hf.decode([token_id], skip_special_tokens=False).encode()
+
+    def is_special(self, token_id: int) -> bool:
+        """Added tokens that ``decode(skip_special_tokens=True)`` leaves out (bos, eos, role markers)."""
+        return token_id in self._special_ids
+
+    def token_string(self, token_id: int) -> str:
+        """A token as text for logprobs; bytes that are not whole UTF-8 characters are written
+        ``bytes:\\xNN...`` (as vLLM does) so distinct tokens never collapse into one U+FFFD key."""
+        cached = self._token_strings.get(token_id)
+        if cached is None:
+            raw = self.token_bytes(token_id)
+            try:
+                cached = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                cached = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            self._token_strings[token_id] = cached
+        return cached
+
+    # ------------------------------------------------------------------ chat
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise TokenizerError("this model's tokenizer has no chat template")
-        from jinja2 import StrictUndefined
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str):
-            raise TokenizerError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=StrictUndefined)
-        env.globals["raise_exception"] = raise_exception
-        template = env.from_string(self.chat_template)
+        template = self._template()
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
-    def detokenizer(self, prompt_ids: list[int] | None = None) -> "IncrementalDetokenizer":
-        return IncrementalDetokenizer(self)
+    def _template(self):
+        """The chat template, compiled once (compiling costs milliseconds, rendering microseconds)."""
+        if self._compiled_template is None:
+            from jinja2 import StrictUndefined
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message: str):
+                raise TokenizerError(message)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=StrictUndefined)
+            env.globals["raise_exception"] = raise_exception
+            self._compiled_template = env.from_string(self.chat_template)
+        return self._compiled_template
+
+    def detokenizer(self, prompt_ids: list[int] | None = None,
+                    skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self, prompt_ids or (), skip_special_tokens)
 
 
-@dataclass
 class IncrementalDetokenizer:
     """Text of a growing token sequence, emitted as deltas that never split a character.
 
-    Byte-level tokens can end in the middle of a UTF-8 character (decoded as U+FFFD); such text
-    is held back until the following tokens complete it.
+    Each step decodes only a short window: the tokens already emitted by the previous step
+    (``prefix``) and the new ones; the delta is what the window's text adds to the prefix's.
+    The window keeps tokenizer-dependent joins (a leading space, merges) right without decoding
+    the whole sequence each time. Byte-level tokens can end in the middle of a UTF-8 character
+    (decoded as U+FFFD); such text is held back until following tokens complete it. The last few
+    prompt tokens seed the window, so the first output token is decoded in context.
     """
 
-    tokenizer: Tokenizer
-    token_ids: list[int] = None  # type: ignore[assignment]
-    emitted: str = ""
+    CONTEXT_TOKENS = 5
 
-    def __post_init__(self) -> None:
-        self.token_ids = []
+    def __init__(self, tokenizer: Tokenizer, context_ids=(), skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = list(context_ids[-self.CONTEXT_TOKENS:])
+        self._prefix_offset = 0  # window start
+        self._read_offset = len(self.token_ids)  # tokens before this are emitted (or context)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, new_ids: list[int]) -> str:
         """Append tokens; return the newly completed text."""
         self.token_ids.extend(new_ids)
-        text = self.tokenizer.decode(self.token_ids)
-        stable = text.rstrip("\ufffd") if text.endswith("\ufffd") else text
-        if not stable.startswith(self.emitted):
-            # a later token changed earlier text (rare merges): re-sync without emitting twice
-            common = 0
-            while common < min(len(stable), len(self.emitted)) and stable[common] == self.emitted[common]:
-                common += 1
-            stable = self.emitted + stable[common:] if len(stable) > len(self.emitted) else self.emitted
-        delta = stable[len(self.emitted):]
-        self.emitted += delta
-        return delta
+        ids = self.token_ids
+        prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
+        window_text = self._decode(ids[self._prefix_offset:])
+        if len(window_text) <= len(prefix_text) or window_text.endswith("\ufffd"):
+            return ""  # nothing new yet, or a character still incomplete
+        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+        return window_text[len(prefix_text):]
 
     def flush(self) -> str:
         """At the end: whatever is left, even an incomplete character."""
-        text = self.tokenizer.decode(self.token_ids)
-        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
-        self.emitted += delta
-        return delta
+        ids = self.token_ids
+        if self._read_offset >= len(ids):
+            return ""
+        prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
+        window_text = self._decode(ids[self._prefix_offset:])
+        self._prefix_offset = self._read_offset = len(ids)
+        return window_text[len(prefix_text):]

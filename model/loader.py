@@ -60,7 +60,10 @@ class CheckpointReader:
         for name in files:
             if not (path / name).is_file():
                 raise CheckpointError(f"{path}: shard {name} listed in the index is missing")
-            handle = safe_open(str(path / name), framework="pt")
+            try:
+                handle = safe_open(str(path / name), framework="pt")
+            except Exception as exc:  # safetensors raises its own error type for a damaged file
+                raise CheckpointError(f"{path / name}: not a readable safetensors file ({exc})") from exc
             self._handles[name] = handle
             for key in handle.keys():
                 self._file_of[key] = name
@@ -104,7 +107,10 @@ def load_engram_token_map(path: Path, cfg: V41Config) -> tuple[list[int], int, i
     """(token map, compressed vocab size, pad's compressed id) from engram_token_map.json or tokenizer.json."""
     map_file, tokenizer_file = path / "engram_token_map.json", path / "tokenizer.json"
     if map_file.is_file():
-        token_map = load_token_map(map_file)
+        try:
+            token_map = load_token_map(map_file)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from exc
         lookup, size, pad = list(token_map.token_map), token_map.compressed_vocab_size, token_map.pad_compressed_id
         if token_map.pad_id != cfg.engram_pad_token_id:
             raise CheckpointError(f"{map_file}: pad id {token_map.pad_id} != config {cfg.engram_pad_token_id}")

@@ -1,0 +1,316 @@
+"""What /v1/completions and /v1/chat/completions share: the serving context, input checks,
+sampling parameters, and running a request's choices against the engine.
+
+A request fans out into one engine request per choice (prompt x ``n``). ``choice_deltas`` runs
+one of them: it feeds the engine's outputs through the choice's ``OutputStream`` and closes the
+engine generator (which aborts the engine request) as soon as the choice is done from the
+client's point of view: a stop string matched, the consumer went away, or an error. ``all_deltas``
+interleaves several choices as their outputs arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+from fastapi import Request
+
+from engine_core.protocol import SamplingParams
+
+from .engine_client import EngineClientBase, QueueFullError
+from .errors import APIError, bad_request, overloaded
+from .metrics import FrontendMetrics, RequestTimer
+from .openai_types import SamplingRequest
+from .output_stream import OutputStream, StreamDelta
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class ServingContext:
+    engine: EngineClientBase
+    tokenizer: Tokenizer | None
+    model_name: str
+    max_queued_requests: int
+    model_root: str | None = None
+    metrics: FrontendMetrics = None  # type: ignore[assignment]
+    pending_first_output: int = 0  # engine requests sent that have not produced an output yet
+    _request_counter: itertools.count = field(default_factory=itertools.count)
+
+    def __post_init__(self) -> None:
+        if self.metrics is None:
+            self.metrics = FrontendMetrics(self.engine, lambda: self.pending_first_output)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.info.vocab_size
+
+    def check_model(self, model: str | None) -> None:
+        if model and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model",
+                           "model_not_found")
+
+    def require_tokenizer(self, what: str, param: str | None = None) -> Tokenizer:
+        if self.tokenizer is None:
+            raise bad_request(f"this model has no tokenizer: {what} is not available; send token ids", param)
+        return self.tokenizer
+
+    def admit(self, num_engine_requests: int) -> None:
+        """Backpressure: refuse (503) while too many sent requests still wait for their first
+        output. A lone request always gets in, whatever its ``n``."""
+        pending = self.pending_first_output
+        if pending > 0 and pending + num_engine_requests > self.max_queued_requests:
+            self.metrics.rejected.inc()
+            raise overloaded(f"the server is overloaded ({pending} requests waiting), retry later")
+
+    def engine_request_id(self, request_id: str) -> str:
+        """A base engine id for one HTTP request; unique even when clients reuse X-Request-Id."""
+        return f"{request_id}-{next(self._request_counter)}"
+
+
+def request_id_of(raw: Request) -> str:
+    """The X-Request-Id the middleware settled on (the client's, or a generated one)."""
+    state = raw.scope.get("state") or {}
+    return state.get("request_id") or uuid.uuid4().hex
+
+
+# ----------------------------------------------------------------------------- inputs
+@dataclass
+class PromptInput:
+    token_ids: list[int]
+    text: str | None  # as the client sent it (None for token ids)
+
+
+_PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
+
+
+def _is_token_list(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def parse_prompts(value, ctx: ServingContext) -> list[PromptInput]:
+    if value is None:
+        raise bad_request("prompt is required", "prompt")
+    if isinstance(value, str):
+        items: list = [value]
+    elif isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        items = value
+    elif isinstance(value, list) and value and _is_token_list(value):
+        items = [value]
+    elif isinstance(value, list) and value and all(_is_token_list(v) for v in value):
+        items = value
+    elif isinstance(value, list) and not value:
+        raise bad_request("prompt must not be empty", "prompt")
+    else:
+        raise bad_request(f"prompt must be {_PROMPT_SHAPES}", "prompt")
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise bad_request("prompt must not be empty", "prompt")
+            ids = ctx.require_tokenizer("a text prompt", "prompt").encode(item)
+            prompts.append(PromptInput(ids, item))
+        else:
+            check_token_ids(item, ctx.vocab_size, "prompt")
+            prompts.append(PromptInput(list(item), None))
+    return prompts
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    if not ids:
+        raise bad_request(f"{param} must not be empty", param)
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise bad_request(f"token id {t} in {param} is out of range [0, {vocab_size})", param)
+
+
+def check_context_length(ctx: ServingContext, num_prompt_tokens: int, max_tokens: int) -> None:
+    total = num_prompt_tokens + max_tokens
+    if total > ctx.max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {ctx.max_model_len} tokens. However, you requested "
+            f"{total} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the completion). "
+            "Please reduce the length of the prompt or of the completion.", "max_tokens")
+
+
+def stop_strings(req: SamplingRequest, ctx: ServingContext) -> list[str]:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    stop = [s for s in stop if s]
+    if stop:
+        ctx.require_tokenizer("stop strings", "stop")
+    return stop
+
+
+def build_params(req: SamplingRequest, ctx: ServingContext, *, max_tokens: int, logprobs: int | None,
+                 prompt_logprobs: int | None = None) -> SamplingParams:
+    """The engine's sampling parameters of the request's first choice (``seed`` shifts per choice)."""
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options may only be set when stream is true", "stream_options")
+    if req.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
+    stop_token_ids = tuple(req.stop_token_ids or ())
+    for t in stop_token_ids:
+        if not 0 <= t < ctx.vocab_size:
+            raise bad_request(f"stop token id {t} is out of range [0, {ctx.vocab_size})", "stop_token_ids")
+    logit_bias = None
+    if req.logit_bias:
+        logit_bias = {}
+        for key, bias in req.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+            if not 0 <= token < ctx.vocab_size:
+                raise bad_request(f"logit_bias token id {token} is out of range [0, {ctx.vocab_size})", "logit_bias")
+            logit_bias[token] = float(bias)
+
+    def given(value, default):
+        return default if value is None else value
+
+    try:
+        return SamplingParams(
+            temperature=given(req.temperature, 1.0), top_p=given(req.top_p, 1.0), top_k=given(req.top_k, 0),
+            min_p=given(req.min_p, 0.0), presence_penalty=given(req.presence_penalty, 0.0),
+            frequency_penalty=given(req.frequency_penalty, 0.0),
+            repetition_penalty=given(req.repetition_penalty, 1.0), logit_bias=logit_bias, seed=req.seed,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, max_tokens=max_tokens,
+            min_tokens=req.min_tokens, stop_token_ids=stop_token_ids, ignore_eos=req.ignore_eos)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+
+
+def choice_params(params: SamplingParams, choice_in_prompt: int) -> SamplingParams:
+    """With a seed, choice i samples with seed + i: choices differ but stay reproducible.
+    Without one the engine draws a random seed per request."""
+    if params.seed is None or choice_in_prompt == 0:
+        return params
+    return msgspec.structs.replace(params, seed=params.seed + choice_in_prompt)
+
+
+# ----------------------------------------------------------------------------- running choices
+@dataclass(eq=False)
+class Choice:
+    index: int  # prompt_index * n + i
+    prompt: PromptInput
+    engine_request_id: str
+    params: SamplingParams
+    output: OutputStream
+    timer: RequestTimer
+
+
+def make_choices(ctx: ServingContext, raw: Request, prompts: list[PromptInput], n: int, params: SamplingParams,
+                 req: SamplingRequest, stop: list[str], *, accumulate: bool) -> list[Choice]:
+    base = ctx.engine_request_id(request_id_of(raw))
+    now, now_wall = time.monotonic(), time.time()
+    choices = []
+    for p, prompt in enumerate(prompts):
+        for i in range(n):
+            index = p * n + i
+            output = OutputStream(ctx.tokenizer, prompt.token_ids, stop, include_stop_str=req.include_stop_str_in_output,
+                                  skip_special_tokens=req.skip_special_tokens, min_tokens=req.min_tokens,
+                                  eos_token_id=ctx.engine.info.eos_token_id, accumulate=accumulate)
+            choices.append(Choice(index, prompt, f"{base}-{index}", choice_params(params, i), output,
+                                  RequestTimer(ctx.metrics, now, now_wall)))
+    return choices
+
+
+async def _close(generator) -> None:
+    aclose = getattr(generator, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def choice_deltas(ctx: ServingContext, choice: Choice) -> AsyncIterator[StreamDelta]:
+    """One choice's deltas. The engine generator is closed (aborting the engine request if it
+    still runs) before the final delta is handed out, and in every other way out of here."""
+    ctx.pending_first_output += 1
+    waiting_first = True
+    generator = ctx.engine.generate(choice.engine_request_id, choice.prompt.token_ids, choice.params)
+    try:
+        async for output in generator:
+            if waiting_first:
+                ctx.pending_first_output -= 1
+                waiting_first = False
+            choice.timer.on_output(output)
+            delta = choice.output.process(output)
+            if delta.finish_reason is not None:
+                await _close(generator)  # a stop string: abort the engine request now
+                choice.timer.on_finish(delta.finish_reason)
+                yield delta
+                return
+            yield delta
+    except QueueFullError:
+        ctx.metrics.rejected.inc()
+        choice.timer.done = True  # rejected, not aborted
+        raise
+    finally:
+        if waiting_first:
+            ctx.pending_first_output -= 1
+        choice.timer.on_abort()  # no-op when finished
+        await _close(generator)
+
+
+async def all_deltas(ctx: ServingContext, choices: list[Choice]) -> AsyncIterator[tuple[Choice, StreamDelta]]:
+    """The deltas of all choices, in arrival order. Closing this (or cancelling its consumer)
+    closes every choice, so no engine request outlives the HTTP request."""
+    if len(choices) == 1:  # the common case, without tasks
+        choice = choices[0]
+        deltas = choice_deltas(ctx, choice)
+        try:
+            async for delta in deltas:
+                yield choice, delta
+        finally:
+            await deltas.aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(choice: Choice) -> None:
+        deltas = choice_deltas(ctx, choice)
+        try:
+            async for delta in deltas:
+                queue.put_nowait((choice, delta))
+        except Exception as exc:  # handed to the consumer, which raises it
+            queue.put_nowait((choice, exc))
+        finally:
+            await deltas.aclose()
+            queue.put_nowait((choice, done))
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    try:
+        running = len(tasks)
+        while running:
+            choice, item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield choice, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def run_to_end(ctx: ServingContext, choices: list[Choice]) -> None:
+    """Drive every choice to its end (non-streaming); the outputs accumulate in the choices."""
+    deltas = all_deltas(ctx, choices)
+    try:
+        async for _ in deltas:
+            pass
+    finally:
+        await deltas.aclose()
+
+
+def usage_counts(prompts: list[PromptInput], choices: list[Choice]) -> tuple[int, int]:
+    """(prompt tokens counted once per prompt whatever n, completion tokens of all choices)."""
+    return sum(len(p.token_ids) for p in prompts), sum(len(c.output.token_ids) for c in choices)
