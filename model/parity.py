@@ -75,6 +75,15 @@ def compare_rows(computed: torch.Tensor, expected: torch.Tensor, judged: torch.T
                     max_abs_all=float(err.max()) if err.numel() else 0.0)
 
 
+@dataclass
+class ParityReport:
+    passed: bool
+    total: RowStats  # every judged row of every case together
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+
 class SequenceRunner:
     """Runs one sequence through the model the way the reference is called: prefill, then steps."""
 
@@ -157,8 +166,8 @@ def _row(label: str, stats: RowStats) -> str:
 
 
 def run_parity(golden_dir: str | Path, batch_invariant: bool = False, dump_path: str | None = None,
-               components: bool = True, out=sys.stdout, device: str = "cpu") -> bool:
-    """Run every case of a golden set; print one row per case; True when everything passed."""
+               components: bool = True, out=sys.stdout, device: str = "cpu") -> "ParityReport":
+    """Run every case of a golden set; print one row per case; true when everything passed."""
     from .parity_components import check_components
 
     golden = GoldenSet(golden_dir)
@@ -174,14 +183,17 @@ def run_parity(golden_dir: str | Path, batch_invariant: bool = False, dump_path:
     print(f"{'case':<22} {'judged':>8} {'top-1':>7} {'<=1e-3':>9} {'max abs':>10} {'max(all)':>10}", file=out)
     dump: dict[str, torch.Tensor] = {}
     ok = True
+    total = RowStats(0, 0, 0, 0, 0.0, 0.0)
     for case in golden.index["prefill"]:
         for kind, stats in run_prefill_case(default_model, golden, case, dump).items():
             print(_row(f"prefill.{case['name']}.{kind}", stats), file=out)
             ok &= stats.passed
+            total = total + stats
     for case in golden.index["decode"]:
         for kind, stats in run_decode_case(official_model, golden, case, dump).items():
             print(_row(f"decode.{case['name']}.{kind}", stats), file=out)
             ok &= stats.passed
+            total = total + stats
     if components and device != "cpu":
         print("components: checked on CPU only (they pin down the reference's CPU arithmetic)", file=out)
     elif components:
@@ -191,8 +203,9 @@ def run_parity(golden_dir: str | Path, batch_invariant: bool = False, dump_path:
     if dump_path:
         save_file({k: v.contiguous() for k, v in dump.items()}, dump_path)
         print(f"wrote {len(dump)} logits tensors to {dump_path}", file=out)
+    print(_row("all rows", total), file=out)
     print("PASS" if ok else "FAIL", file=out)
-    return ok
+    return ParityReport(ok, total)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -223,7 +223,7 @@ import argparse, sys
 from model import parity
 real_run_parity, returned = parity.run_parity, []
 def run_parity(*args, **kwargs):
-    returned.append(real_run_parity(*args, **kwargs))
+    returned.append(bool(real_run_parity(*args, **kwargs)))
     return returned[-1]
 parity.run_parity = run_parity
 parser = argparse.ArgumentParser(prog="parity")
