@@ -17,10 +17,10 @@ import torch
 
 from .batch import ForwardBatch
 from .cache import V41Cache
-from .attention_lists import join_lists, window_list
+from .attention_lists import TokenSelection, join_lists, window_list
 from .compressor import Compressor
 from .config import LayerRole, V41Config
-from .indexer import Indexer, Selection
+from .indexer import Indexer
 from .layers import Linear, rms_norm
 from .quant import fp8_qdq
 from .rope import RotaryTable
@@ -29,10 +29,10 @@ from .sparse_attention import sparse_attention
 
 @dataclass
 class ForwardState:
-    """What attention layers hand down the stack within one forward (per sequence)."""
+    """What attention layers hand down the stack within one forward."""
 
-    selections: dict[int, list[Selection]] = field(default_factory=dict)  # index source -> per sequence
-    candidates: list[torch.Tensor | None] = field(default_factory=list)  # published by the candidate source
+    selections: dict[int, TokenSelection] = field(default_factory=dict)  # index source -> per-token selection
+    candidates: torch.Tensor | None = None  # [T, E] published by the candidate source
     index_key_layer: dict[int, list[int]] = field(default_factory=dict)  # index source -> key layer per seq
 
 
@@ -96,61 +96,38 @@ class Attention:
 
     # ------------------------------------------------------------------ compressed entries
     def _select(self, x, qr, batch: ForwardBatch, cache: V41Cache, state: ForwardState) -> None:
-        """Run this layer's indexer for every sequence and publish its selection (and candidates)."""
-        indexer = self.indexer
-        q, weights = indexer.queries(x, qr, batch.positions, self.rope)
-        key_layers = state.index_key_layer[self.role.layer_id]
-        selections = []
+        """Run this layer's indexer over the batch and publish its selection (and candidates)."""
+        candidates = state.candidates if self.indexer.uses_candidates else None
+        selection, published = self.indexer.select_all(
+            x, qr, batch, cache, self.rope, state.index_key_layer[self.role.layer_id], candidates,
+            per_sequence=self.reference_layout)
+        state.selections[self.role.layer_id] = selection
         if self.role.is_candidate_source:
-            state.candidates = [None] * len(batch.chunks)
-        for b, chunk in enumerate(batch.chunks):
-            rows = batch.rows(b)
-            key_layer = key_layers[b]
-            num_keys = chunk.end // self.role.compress_ratio
-            entries = torch.arange(num_keys, device=x.device)
-            blocks, slots = cache.entry_rows(key_layer, chunk.block_table, entries)
-            keys = cache.index_keys[key_layer][blocks, slots]
-            candidates = state.candidates[b] if indexer.uses_candidates and state.candidates else None
-            selection, published = indexer.select(q[rows], weights[rows], keys, batch.positions[rows], candidates)
-            selections.append(selection)
-            if self.role.is_candidate_source:
-                state.candidates[b] = published
-        state.selections[self.role.layer_id] = selections
+            state.candidates = published
 
     def _gather_entries(self, kv: torch.Tensor, batch: ForwardBatch, cache: V41Cache, state: ForwardState):
         """Per query: its listed KV rows [T, L, D], which are real entries [T, L], and list lengths [T]."""
-        lists, valids, widths = [], [], []
-        ring = cache.window[self.role.layer_id]
-        for b, chunk in enumerate(batch.chunks):
-            rows = batch.rows(b)
-            window = window_list(batch.positions[rows], chunk, self.cfg.sliding_window, self.reference_layout)
-            in_chunk = window.positions >= chunk.start
-            local = (window.positions - chunk.start).clamp(min=0, max=chunk.length - 1)
-            from_ring = ring[chunk.slot, window.positions.clamp(min=0) % self.cfg.sliding_window]
-            window_rows = torch.where(in_chunk.unsqueeze(-1), kv[rows.start + local], from_ring)
-            selection = compressed_rows = None
-            if self.role.compress_ratio:
-                selection = state.selections[self.role.topk_source][b]
-                blocks, slots = cache.entry_rows(self.role.kv_source, chunk.block_table, selection.entries)
-                compressed_rows = cache.compressed_kv[self.role.kv_source][blocks, slots]
-            rows_b, valid_b, widths_b = join_lists(window, window_rows, selection, compressed_rows,
-                                                   self.reference_layout)
-            lists.append(rows_b)
-            valids.append(valid_b)
-            widths.append(widths_b)
-        width = max(x.shape[1] for x in lists)
-        kv_rows = torch.cat([torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[1])) for x in lists])
-        valid = torch.cat([torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in valids])
-        return kv_rows, valid, torch.cat(widths)
+        layout, win = batch.layout, self.cfg.sliding_window
+        window = window_list(batch.positions, layout, win, self.reference_layout)
+        start, offset = layout.start.unsqueeze(-1), layout.offset.unsqueeze(-1)
+        last = (layout.end - layout.start - 1).unsqueeze(-1)
+        in_chunk = window.positions >= start
+        from_chunk = kv[offset + (window.positions - start).clamp(min=0).minimum(last)]
+        from_ring = cache.window[self.role.layer_id][layout.slot.unsqueeze(-1), window.positions.clamp(min=0) % win]
+        window_rows = torch.where(in_chunk.unsqueeze(-1), from_chunk, from_ring)
+        selection = compressed_rows = None
+        if self.role.compress_ratio:
+            selection = state.selections[self.role.topk_source]
+            blocks, rows = cache.entry_rows_batched(self.role.kv_source, layout.block_tables,
+                                                    layout.seq.unsqueeze(-1), selection.entries)
+            compressed_rows = cache.compressed_kv[self.role.kv_source][blocks, rows]
+        return join_lists(window, window_rows, selection, compressed_rows, self.reference_layout)
 
     def _write_window(self, kv: torch.Tensor, batch: ForwardBatch, cache: V41Cache) -> None:
         """Keep the last ``window`` positions of every chunk in its sequence's ring (row = pos % W)."""
-        win = self.cfg.sliding_window
-        ring = cache.window[self.role.layer_id]
-        for b, chunk in enumerate(batch.chunks):
-            first = max(chunk.start, chunk.end - win)
-            local = slice(batch.offsets[b] + first - chunk.start, batch.offsets[b] + chunk.length)
-            ring[chunk.slot, torch.arange(first, chunk.end, device=kv.device) % win] = kv[local]
+        win, layout, pos = self.cfg.sliding_window, batch.layout, batch.positions
+        keep = pos >= layout.end - win
+        cache.window[self.role.layer_id][layout.slot[keep], pos[keep] % win] = kv[keep]
 
     def _grouped_output(self, o: torch.Tensor) -> torch.Tensor:
         """[T, H, D] -> [T, groups * o_lora_rank]: each group of heads through its own slice of wo_a."""

@@ -22,52 +22,57 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import SequenceChunk
-from .indexer import Selection
+from .batch import TokenLayout
+
+
+@dataclass
+class TokenSelection:
+    """Compressed entries selected for every query of a forward (one row per token)."""
+
+    entries: torch.Tensor  # [T, K] int64, ascending; columns >= counts are unused
+    counts: torch.Tensor  # [T] valid entries
+    widths: torch.Tensor  # [T] columns of the reference kernel's list (min(index_topk, visible at chunk end))
 
 
 @dataclass
 class WindowList:
-    positions: torch.Tensor  # [S, w] listed positions (arbitrary where not valid)
-    valid: torch.Tensor  # [S, w]
-    counts: torch.Tensor  # [S] valid entries per row
+    positions: torch.Tensor  # [T, window] listed positions (arbitrary where not valid)
+    valid: torch.Tensor  # [T, window]
+    widths: torch.Tensor  # [T] columns of the list that belong to the window part
 
 
-def window_list(positions: torch.Tensor, chunk: SequenceChunk, window: int, reference_layout: bool) -> WindowList:
+def window_list(positions: torch.Tensor, layout: TokenLayout, window: int, reference_layout: bool) -> WindowList:
     counts = torch.clamp(positions + 1, max=window)
-    if reference_layout and chunk.length == 1 and chunk.start > 0:
-        width = window
-        cols = torch.arange(width, device=positions.device)
-        first_valid = width - counts  # holes first: the ring listed oldest first while it fills
-        valid = cols >= first_valid.unsqueeze(-1)
-        listed = positions.unsqueeze(-1) - (width - 1 - cols)
-        return WindowList(listed, valid, counts)
-    width = min(chunk.length, window) if (reference_layout and chunk.start == 0) else window
-    cols = torch.arange(width, device=positions.device)
-    valid = cols < counts.unsqueeze(-1)
-    listed = positions.unsqueeze(-1) - (counts - 1).unsqueeze(-1) + cols
-    return WindowList(listed, valid, counts)
+    cols = torch.arange(window, device=positions.device)
+    valid_first = positions.unsqueeze(-1) - (counts - 1).unsqueeze(-1) + cols
+    if not reference_layout:
+        return WindowList(valid_first, cols < counts.unsqueeze(-1), counts)
+    chunk_len = layout.end - layout.start
+    ring_order = (chunk_len == 1) & (layout.start > 0)  # a decode step lists the ring, oldest first
+    widths = torch.where(layout.start == 0, chunk_len.clamp(max=window), torch.full_like(counts, window))
+    holes_first = cols >= (window - counts).unsqueeze(-1)
+    listed = torch.where(ring_order.unsqueeze(-1), positions.unsqueeze(-1) - (window - 1 - cols), valid_first)
+    valid = torch.where(ring_order.unsqueeze(-1), holes_first, cols < counts.unsqueeze(-1))
+    return WindowList(listed, valid, torch.where(ring_order, window, widths))
 
 
-def join_lists(window: WindowList, window_rows: torch.Tensor, selection: Selection | None,
+def join_lists(window: WindowList, window_rows: torch.Tensor, selection: TokenSelection | None,
                compressed_rows: torch.Tensor | None, reference_layout: bool):
-    """(kv rows [S, L, D], valid [S, L], list length [S]) of the window plus the selected entries."""
-    s, w = window.valid.shape
+    """(kv rows [T, L, D], valid [T, L], list length [T]): the window part, then the compressed part.
+
+    The compressed part starts right after the window part of each row: after the valid window
+    entries (packed), or after the kernel's window columns (reference)."""
+    t, w = window.valid.shape
     if selection is None:
-        widths = torch.full_like(window.counts, w) if reference_layout else window.counts
-        return window_rows, window.valid, widths
+        return window_rows, window.valid, window.widths
     k = selection.entries.shape[1]
-    cols = torch.arange(k, device=window_rows.device)
-    compressed_valid = cols < selection.counts.unsqueeze(-1)
-    if reference_layout:
-        rows = torch.cat([window_rows, compressed_rows], dim=1)
-        valid = torch.cat([window.valid, compressed_valid], dim=1)
-        return rows, valid, torch.full_like(window.counts, w + k)
-    # packed: the valid window rows, then the valid compressed rows right after them
+    compressed_valid = torch.arange(k, device=window_rows.device) < selection.counts.unsqueeze(-1)
+    compressed_width = selection.widths if reference_layout else selection.counts
     j = torch.arange(w + k, device=window_rows.device)
-    n = window.counts.unsqueeze(-1)
-    source = torch.where(j < n, j, w + j - n).clamp(max=w + k - 1)
+    win_width = window.widths.unsqueeze(-1)
+    source = torch.where(j < win_width, j, w + j - win_width).clamp(max=w + k - 1)
     both = torch.cat([window_rows, compressed_rows], dim=1)
     rows = torch.gather(both, 1, source.unsqueeze(-1).expand(-1, -1, both.shape[-1]))
-    widths = window.counts + selection.counts
-    return rows, j < widths.unsqueeze(-1), widths
+    widths = window.widths + compressed_width
+    valid = torch.gather(torch.cat([window.valid, compressed_valid], dim=1), 1, source) & (j < widths.unsqueeze(-1))
+    return rows, valid, widths

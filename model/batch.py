@@ -9,6 +9,7 @@ state slot ``slots[b]`` and its paged blocks are ``block_tables[b]``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -47,6 +48,10 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
 
+    @cached_property
+    def layout(self) -> "TokenLayout":
+        return TokenLayout.of(self)
+
     def rows(self, b: int) -> slice:
         return slice(self.offsets[b], self.offsets[b] + self.chunks[b].length)
 
@@ -69,3 +74,39 @@ class ForwardBatch:
             ))
         return cls(torch.tensor(flat, dtype=torch.long, device=device),
                    torch.tensor(positions, dtype=torch.long, device=device), chunks)
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """Per-token and per-sequence index tensors (on the batch's device), so that the per-sequence
+    parts of a forward (window, compressor, indexer, n-gram history) run as batched gathers and
+    scatters instead of Python loops over sequences."""
+
+    seq: torch.Tensor  # [T] sequence (chunk) index of each token
+    start: torch.Tensor  # [T] first position of the token's chunk
+    end: torch.Tensor  # [T] one past the last position of the token's chunk
+    offset: torch.Tensor  # [T] flat row of the first token of the token's chunk
+    slot: torch.Tensor  # [T] state slot of the token's sequence
+    seq_end: torch.Tensor  # [B] chunk ends
+    seq_slot: torch.Tensor  # [B]
+    block_tables: torch.Tensor  # [B, max blocks], padded with block 0
+
+    @classmethod
+    def of(cls, batch: ForwardBatch) -> "TokenLayout":
+        device = batch.token_ids.device
+        chunks = batch.chunks
+        lengths = torch.tensor([c.length for c in chunks], dtype=torch.long)
+
+        def per_token(values: list[int]) -> torch.Tensor:
+            return torch.repeat_interleave(torch.tensor(values, dtype=torch.long), lengths).to(device)
+
+        if chunks:
+            tables = torch.nn.utils.rnn.pad_sequence([c.block_table for c in chunks], batch_first=True)
+        else:
+            tables = torch.zeros(0, 1, dtype=torch.long, device=device)
+        return cls(seq=per_token(list(range(len(chunks)))), start=per_token([c.start for c in chunks]),
+                   end=per_token([c.end for c in chunks]), offset=per_token(batch.offsets),
+                   slot=per_token([c.slot for c in chunks]),
+                   seq_end=torch.tensor([c.end for c in chunks], dtype=torch.long, device=device),
+                   seq_slot=torch.tensor([c.slot for c in chunks], dtype=torch.long, device=device),
+                   block_tables=tables)

@@ -97,6 +97,15 @@ class V41Cache:
                  block_size: int = DEFAULT_BLOCK_SIZE, device: torch.device | str = "cpu") -> "V41Cache":
         return cls(cfg, CacheGeometry(block_size, num_blocks, num_slots), device)
 
+    def entry_rows_batched(self, layer: int, block_tables: torch.Tensor, seq: torch.Tensor,
+                           entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, row) of entries ``entries`` of sequences ``seq`` (broadcastable), given the batch's
+        padded block tables [B, max blocks]. Entries past a sequence's table land in its last
+        column's block: callers mask them out."""
+        per_block = self.geometry.entries_per_block(self.cfg.compress_ratios[layer])
+        column = (entries // per_block).clamp(max=block_tables.shape[1] - 1)
+        return block_tables[seq, column], entries % per_block
+
     def entry_rows(self, layer: int, block_table: torch.Tensor, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, row) of compressed entries ``entries`` (any shape) of one sequence in ``layer``'s cache."""
         per_block = self.geometry.entries_per_block(self.cfg.compress_ratios[layer])

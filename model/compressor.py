@@ -50,13 +50,9 @@ class Compressor:
         kv = latents.clone()
         rope.rotate_(kv[:, -self.rope_dims:], entry_positions)
         kv = fp4_qdq(kv, 16, e4m3_scale=True)
-        for b, chunk in enumerate(batch.chunks):
-            mine = seq_of_entry == b
-            if not bool(mine.any()):
-                continue
-            blocks, rows = cache.entry_rows(self.layer_id, chunk.block_table, entry_ids[mine])
-            cache.compressed_kv[self.layer_id][blocks, rows] = kv[mine]
-            cache.index_keys[self.layer_id][blocks, rows] = keys[mine]
+        blocks, rows = cache.entry_rows_batched(self.layer_id, batch.layout.block_tables, seq_of_entry, entry_ids)
+        cache.compressed_kv[self.layer_id][blocks, rows] = kv
+        cache.index_keys[self.layer_id][blocks, rows] = keys
 
     def latents(self, x: torch.Tensor, batch: ForwardBatch, cache: V41Cache):
         """Pre-RoPE latents of every group closed in this forward, with their sequence and entry id.
@@ -66,39 +62,27 @@ class Compressor:
         if x.shape[0] == 0:
             nothing = torch.empty(0, dtype=torch.long, device=device)
             return x.new_empty(0, self.norm.shape[0]), nothing, nothing
+        layout, pos = batch.layout, batch.positions
         if self.ratio == 1:
-            latents = rms_norm(self.wkv(x), self.norm, self.eps)
-            seq_of_entry = torch.cat([torch.full((c.length,), b, dtype=torch.long, device=device)
-                                      for b, c in enumerate(batch.chunks)])
-            return latents, seq_of_entry, batch.positions
+            return rms_norm(self.wkv(x), self.norm, self.eps), layout.seq, pos
         r = self.ratio
         xf = x.float()
         kv, score = self.wkv(xf), self.wgate(xf)  # fp32 projections
         tail_kv, tail_score = cache.tail_kv[self.layer_id], cache.tail_score[self.layer_id]
-        pooled_kv, pooled_score, seqs, entries = [], [], [], []
-        for b, chunk in enumerate(batch.chunks):
-            rows = batch.rows(b)
-            first_group, end_group = chunk.start // r, chunk.end // r  # groups closing: [first, end)
-            carried = chunk.start - first_group * r  # open-group tokens from earlier forwards
-            if end_group > first_group:
-                n_closed = (end_group - first_group) * r - carried
-                group_kv = torch.cat([tail_kv[chunk.slot, :carried], kv[rows][:n_closed]])
-                group_score = torch.cat([tail_score[chunk.slot, :carried], score[rows][:n_closed]])
-                pooled_kv.append(group_kv.unflatten(0, (-1, r)))
-                pooled_score.append(group_score.unflatten(0, (-1, r)))
-                seqs.append(torch.full((end_group - first_group,), b, dtype=torch.long, device=device))
-                entries.append(torch.arange(first_group, end_group, device=device))
-            # tokens of the group still open after this chunk wait in the tail, row = position % r
-            open_from = max(end_group * r, chunk.start)
-            if chunk.end > open_from:
-                tail_rows = torch.arange(open_from, chunk.end, device=device) % r
-                local = slice(rows.start + open_from - chunk.start, rows.stop)
-                tail_kv[chunk.slot, tail_rows] = kv[local]
-                tail_score[chunk.slot, tail_rows] = score[local]
-        if not pooled_kv:
-            empty = x.new_empty(0, self.norm.shape[0])
-            return empty, torch.empty(0, dtype=torch.long, device=device), torch.empty(0, dtype=torch.long, device=device)
-        group_kv, group_score = torch.cat(pooled_kv), torch.cat(pooled_score)
+        # a group closes at the token whose position is its last; its earlier members come from this
+        # chunk or, if they came in an earlier forward, from the sequence's tail
+        closing = torch.nonzero((pos + 1) % r == 0).squeeze(1)
+        members = pos[closing].unsqueeze(-1) - (r - 1) + torch.arange(r, device=device)  # [G, r]
+        start = layout.start[closing].unsqueeze(-1)
+        in_chunk = (members >= start).unsqueeze(-1)
+        local = layout.offset[closing].unsqueeze(-1) + (members - start).clamp(min=0)
+        slots = layout.slot[closing].unsqueeze(-1)
+        group_kv = torch.where(in_chunk, kv[local], tail_kv[slots, members % r])
+        group_score = torch.where(in_chunk, score[local], tail_score[slots, members % r])
+        # tokens of a group still open at the end of their chunk wait in the tail, row = position % r
+        waiting = pos >= (layout.end // r) * r
+        tail_kv[layout.slot[waiting], pos[waiting] % r] = kv[waiting]
+        tail_score[layout.slot[waiting], pos[waiting] % r] = score[waiting]
         latents = (group_kv * group_score.softmax(dim=1)).sum(dim=1)
         latents = rms_norm(latents.to(x.dtype), self.norm, self.eps)
-        return latents, torch.cat(seqs), torch.cat(entries)
+        return latents, layout.seq[closing], pos[closing] // r

@@ -71,30 +71,23 @@ class NgramHasher:
         compressed = self.token_map[batch.token_ids]
         if batch.num_tokens == 0:
             return self.offsets.new_zeros(0, *self.offsets.shape)
-        history = cache.engram_history
-        keep = cache.history_len
+        history, keep, layout, pos = cache.engram_history, cache.history_len, batch.layout, batch.positions
         lookback = []  # lookback[i][t] = compressed id i positions before token t (pad before the start)
         for shift in range(self.max_ngram_size):
-            parts = []
-            for b, chunk in enumerate(batch.chunks):
-                rows = batch.rows(b)
-                pos = batch.positions[rows] - shift
-                in_chunk = pos >= chunk.start
-                from_chunk = compressed[rows.start + (pos - chunk.start).clamp(min=0)]
-                from_history = history[chunk.slot, pos.clamp(min=0) % keep]
-                ids = torch.where(in_chunk, from_chunk, from_history)
-                parts.append(torch.where(pos >= 0, ids, self.pad_compressed_id))
-            lookback.append(torch.cat(parts))
+            source = pos - shift
+            in_chunk = source >= layout.start
+            from_chunk = compressed[layout.offset + (source - layout.start).clamp(min=0)]
+            from_history = history[layout.slot, source.clamp(min=0) % keep]
+            ids = torch.where(in_chunk, from_chunk, from_history)
+            lookback.append(torch.where(source >= 0, ids, self.pad_compressed_id))
         tokens = torch.stack(lookback, dim=-1)  # [T, max_ngram]
         products = tokens.unsqueeze(1) * self.multipliers  # [T, layers, max_ngram]
         rolling, hashes = products[..., 0], []
         for i in range(1, self.max_ngram_size):
             rolling = torch.bitwise_xor(rolling, products[..., i])
             hashes.append(rolling.unsqueeze(-1) % self.primes[:, i - 1])
-        for b, chunk in enumerate(batch.chunks):
-            first = max(chunk.start, chunk.end - keep)
-            rows = slice(batch.offsets[b] + first - chunk.start, batch.offsets[b] + chunk.length)
-            history[chunk.slot, torch.arange(first, chunk.end, device=compressed.device) % keep] = compressed[rows]
+        recent = pos >= layout.end - keep  # the history keeps each sequence's last positions
+        history[layout.slot[recent], pos[recent] % keep] = compressed[recent]
         return torch.cat(hashes, dim=-1) + self.offsets
 
 

@@ -21,6 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention_lists import TokenSelection
+from .batch import ForwardBatch
+from .cache import V41Cache
 from .layers import Linear
 from .quant import fp4_qdq
 from .rope import RotaryTable
@@ -106,9 +109,14 @@ class Indexer:
         num_entries = keys.shape[0]
         if num_entries == 0:
             return Selection.empty(q.shape[0], q.device), None
-        scores = self._scores(q, weights, keys)
+        return self._pick(self._scores(q, weights, keys), positions, candidates)
+
+    def _pick(self, scores: torch.Tensor, positions: torch.Tensor,
+              candidates: torch.Tensor | None) -> tuple[Selection, torch.Tensor | None]:
+        """Visibility, the two-level candidate logic and the top-k on scores [S, E]."""
+        num_entries = scores.shape[-1]
         visible = visible_entries(positions, self.ratio)
-        hidden = torch.arange(num_entries, device=q.device) >= visible.unsqueeze(-1)
+        hidden = torch.arange(num_entries, device=scores.device) >= visible.unsqueeze(-1)
         scores = scores.masked_fill(hidden, -torch.inf)
         published = None
         if self.is_candidate_source:
@@ -118,11 +126,69 @@ class Indexer:
         k_per_row = visible.clamp(max=self.topk)
         return top_entries(scores, k_per_row, min(self.topk, num_entries)), published
 
-    def _scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """[S, E] bf16: sum over heads of weight * relu(q . k), with the reference's bf16 roundings."""
-        if self.batch_invariant:
+    def _scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, batched: bool = False) -> torch.Tensor:
+        """[S, E] bf16: sum over heads of weight * relu(q . k), with the reference's bf16 roundings.
+
+        keys: [E, d] shared by the S queries, or with ``batched`` [S, E, d], each query its own."""
+        if batched:
+            per_head = torch.bmm(q, keys.transpose(1, 2))
+        elif self.batch_invariant:
             # one [H, d] x [d, E] product per query: what the reference computes in a decode step
             per_head = torch.bmm(q, keys.t().unsqueeze(0).expand(q.shape[0], -1, -1))
         else:
             per_head = torch.einsum("shd,ed->she", q, keys)
         return (per_head.relu_() * weights.unsqueeze(-1)).sum(dim=1)
+
+    # ------------------------------------------------------------------ whole batch
+    def select_all(self, x: torch.Tensor, qr: torch.Tensor, batch: ForwardBatch, cache: V41Cache, rope: RotaryTable,
+                   key_layers: list[int], candidates: torch.Tensor | None,
+                   per_sequence: bool) -> tuple[TokenSelection, torch.Tensor | None]:
+        """Selections of every query of the batch, and the candidate mask [T, E] the candidate source
+        publishes (E = visible entries at the end of the longest chunk).
+
+        ``per_sequence`` scores each sequence's chunk with one product, as the reference does in its
+        prefill (used to reproduce it bit for bit); otherwise each query is its own product, all
+        sequences at once, keys padded to the longest sequence."""
+        q, weights = self.queries(x, qr, batch.positions, rope)
+        layout = batch.layout
+        num_keys = layout.seq_end // self.ratio  # visible entries at the end of each chunk
+        width = int(num_keys.max()) if num_keys.numel() else 0
+        t = batch.num_tokens
+        if width == 0:
+            empty = Selection.empty(t, x.device)
+            return TokenSelection(empty.entries, empty.counts, torch.zeros_like(empty.counts)), None
+        keys = self._padded_keys(cache, layout, key_layers, width, x.device)  # [B, E, d]
+        k_max = min(self.topk, width)
+        entries = torch.zeros(t, k_max, dtype=torch.long, device=x.device)
+        counts = torch.zeros(t, dtype=torch.long, device=x.device)
+        published = torch.zeros(t, width, dtype=torch.bool, device=x.device) if self.is_candidate_source else None
+        if per_sequence:
+            for b, chunk in enumerate(batch.chunks):
+                rows, n = batch.rows(b), int(num_keys[b])
+                cand = candidates[rows, :n] if candidates is not None else None
+                selection, mask = self.select(q[rows], weights[rows], keys[b, :n], batch.positions[rows], cand)
+                entries[rows, : selection.entries.shape[1]] = selection.entries
+                counts[rows] = selection.counts
+                if mask is not None:
+                    published[rows, :n] = mask
+        else:
+            scores = self._scores(q, weights, keys[layout.seq], batched=True)
+            selection, mask = self._pick(scores, batch.positions, candidates)
+            entries, counts, published = selection.entries, selection.counts, mask
+        widths = num_keys[layout.seq].clamp(max=self.topk)
+        return TokenSelection(entries, counts, widths), published
+
+    def _padded_keys(self, cache: V41Cache, layout, key_layers: list[int], width: int, device) -> torch.Tensor:
+        """[B, E, d]: the first E index keys of every sequence, from its key layer's cache."""
+        entries = torch.arange(width, device=device)
+        seqs = torch.arange(layout.seq_end.numel(), device=device)
+        keys = None
+        for key_layer in sorted(set(key_layers)):
+            blocks, rows = cache.entry_rows_batched(key_layer, layout.block_tables, seqs.unsqueeze(-1), entries)
+            gathered = cache.index_keys[key_layer][blocks, rows]
+            if keys is None:
+                keys = gathered
+            else:
+                use = torch.tensor([k == key_layer for k in key_layers], device=device)
+                keys = torch.where(use.view(-1, 1, 1), gathered, keys)
+        return keys

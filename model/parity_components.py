@@ -162,7 +162,7 @@ def _check_capture_forward(model: V41Model, tensors) -> list[ComponentResult]:
     results = []
     for key, layer in _layer_keys(tensors, r"comp\.indexer_topk_layer(\d+)\.idxs"):
         expected = tensors[key][0]
-        selection = state.selections[layer][0]
+        selection = state.selections[layer]
         k = expected.shape[-1]
         ours = torch.full((s, k), -1, dtype=torch.int32)
         for row in range(s):
@@ -170,7 +170,8 @@ def _check_capture_forward(model: V41Model, tensors) -> list[ComponentResult]:
             ours[row, :n] = (selection.entries[row, :n] + s).int()
         results.append(_exact(key[len("comp."): -len(".idxs")], ours, expected))
     for key, layer in _layer_keys(tensors, r"comp\.indexer_candidates_layer(\d+)\.mask"):
-        results.append(_exact(key[len("comp."):], state.candidates[0], tensors[key][0]))
+        expected = tensors[key][0]
+        results.append(_exact(key[len("comp."):], state.candidates[:, : expected.shape[-1]], expected))
     for key, layer in _layer_keys(tensors, r"comp\.cache_after_prefill\.layer(\d+)\.window_kv"):
         expected = tensors[key]
         results.append(_bf16_close(key[len("comp."):], cache.window[layer][0, : expected.shape[0]], expected, 0))

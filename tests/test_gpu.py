@@ -35,3 +35,32 @@ def test_batch_invariance_on_cuda(tiny_checkpoint):
     prompts = [list(range(3, 40))] + [list(range(5, 5 + n)) for n in (7, 19, 33, 64, 90)]
     batched = llm.generate(prompts, params, use_tqdm=False)[0].token_ids
     assert alone == batched
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_expert_parallel_over_two_gpus_matches_one(tiny_checkpoint):
+    """Experts sharded over 2 GPUs (NCCL all-to-all) give the tokens of 1 GPU (batch-invariant mode)."""
+    import asyncio
+
+    from engine_core.config import EngineConfig
+    from engine_core.protocol import SamplingParams
+    from frontend.zmq_engine_client import ZmqEngineClient
+
+    prompts = [list(range(3, 3 + n)) for n in (5, 23, 41, 70)]
+    params = SamplingParams(temperature=0.9, seed=21, max_tokens=12)
+
+    async def run(dp: int) -> list[list[int]]:
+        client = ZmqEngineClient(EngineConfig(model=str(tiny_checkpoint), device="cuda", dp_size=dp,
+                                              batch_invariant=True, max_num_seqs=8))
+        await client.start()
+        try:
+            async def one(i):
+                tokens = []
+                async for out in client.generate(f"r{i}", prompts[i], params):
+                    tokens += out.new_token_ids
+                return tokens
+            return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+        finally:
+            await client.shutdown()
+
+    assert asyncio.run(run(2)) == asyncio.run(run(1))

@@ -47,8 +47,9 @@ def assert_same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert torch.equal(a, b), f"{what}: not bitwise equal (max abs {max_abs(a, b):g})"
 
 
-def selected(state: ForwardState, layer: int, row: int, seq: int = 0) -> list[int]:
-    sel = state.selections[layer][seq]
+def selected(state: ForwardState, layer: int, row: int) -> list[int]:
+    """Entries selected for flat row ``row`` of the forward."""
+    sel = state.selections[layer]
     return sel.entries[row, : int(sel.counts[row])].tolist()
 
 

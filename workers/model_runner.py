@@ -130,22 +130,24 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ helpers
     def _forward_batch(self, seqs: list[SequenceStep]) -> ForwardBatch:
-        flat, positions, chunks = [], [], []
-        refs, ref_rows = [], []
-        for step in seqs:
+        flat, positions, refs, ref_rows = [], [], [], []
+        width = max((len(step.block_table) for step in seqs), default=1)
+        tables = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, step in enumerate(seqs):
             if step.prev_row >= 0:
                 refs.append(len(flat))
                 ref_rows.append(step.prev_row)
             flat.extend(step.token_ids)
             positions.extend(range(step.start, step.start + len(step.token_ids)))
-            chunks.append(SequenceChunk(step.start, len(step.token_ids), step.slot,
-                                        torch.tensor(step.block_table, dtype=torch.long, device=self.device),
-                                        step.previous_start))
-        token_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
+            tables[i, : len(step.block_table)] = torch.tensor(step.block_table, dtype=torch.long)
+        tables = tables.to(self.device)  # one host-to-device copy for every block table
+        chunks = [SequenceChunk(step.start, len(step.token_ids), step.slot, tables[i, : len(step.block_table)],
+                                step.previous_start) for i, step in enumerate(seqs)]
+        token_ids = torch.tensor(flat, dtype=torch.long).to(self.device)
         if refs:
             # tokens sampled by the previous step, still on the device
             token_ids[torch.tensor(refs, device=self.device)] = self.last_sampled[torch.tensor(ref_rows, device=self.device)]
-        return ForwardBatch(token_ids, torch.tensor(positions, dtype=torch.long, device=self.device), chunks)
+        return ForwardBatch(token_ids, torch.tensor(positions, dtype=torch.long).to(self.device), chunks)
 
     def _sampling_batch(self, seqs: list[SequenceStep], sample_index: list[int]) -> SamplingBatch:
         rows = []
