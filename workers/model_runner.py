@@ -41,15 +41,21 @@ class PendingStep:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, rank: int = 0, expert_range: range | None = None):
+    def __init__(self, config: EngineConfig, rank: int = 0, expert_parallel=None):
+        """``expert_parallel``: an ExpertParallelDispatcher when experts are sharded over ranks."""
         self.config, self.rank = config, rank
         self.device = torch.device(config.device if config.device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         if self.device.type == "cpu":
             torch.set_num_threads(config.cpu_threads)
         options = ModelOptions(batch_invariant=config.resolved_batch_invariant,
                                official_index_handoff=config.official_index_handoff)
+        expert_range = expert_parallel.expert_range() if expert_parallel is not None else None
         self.model: V41Model = load_model(config.model, options, self.device, expert_range)
         self.cfg = self.model.cfg
+        # under expert parallelism every rank joins every MoE all-to-all, with or without tokens
+        self.always_run_forward = expert_parallel is not None
+        for block in self.model.blocks:
+            block.moe.dispatcher = expert_parallel
         free = None
         if self.device.type == "cuda":
             free = free_cuda_bytes_after_profile(config, self._profile_forward)
@@ -57,7 +63,6 @@ class ModelRunner:
         self.cache = V41Cache.allocate(self.cfg, self.capacity.num_blocks, self.capacity.num_slots,
                                        config.block_size, self.device)
         self.last_sampled = torch.full((0,), -1, dtype=torch.long, device=self.device)
-        self.always_run_forward = False  # set under expert parallelism: collectives need every rank
 
     def _profile_forward(self) -> None:
         n = min(self.config.max_num_batched_tokens, self.cfg.max_position_embeddings)

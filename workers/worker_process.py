@@ -89,12 +89,7 @@ def _build_runner(config: EngineConfig, rank: int, dist_port: int):
     from model.config import V41Config
 
     experts = V41Config.from_pretrained(config.model).num_routed_experts
-    dispatcher = ExpertParallelDispatcher(rank, config.dp_size, experts)
-    runner = ModelRunner(config, rank, dispatcher.expert_range())
-    for block in runner.model.blocks:
-        block.moe.dispatcher = dispatcher
-    runner.always_run_forward = True  # every rank joins every MoE all-to-all
-    return runner
+    return ModelRunner(config, rank, ExpertParallelDispatcher(rank, config.dp_size, experts))
 
 
 def _run_step(runner, plan: StepPlan, rank: int) -> StepResult:
