@@ -184,7 +184,6 @@ class Scheduler:
         return self._prefill_chunk(seq, rank, budget, out)
 
     def _schedule_decode(self, rows: list[list[SequenceStep]]) -> None:
-        cfg = self.config
         for r, rank in enumerate(self.ranks):
             scheduled: list[Sequence] = []
             for seq in list(rank.running):

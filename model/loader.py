@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from .attention import Attention, AttentionWeights
 from .compressor import Compressor
-from .config import V41Config, WeightFormat
+from .config import V41Config
 from .engram import Engram, NgramHasher
 from .engram_token_map import build_compressed_token_map, load_token_map
 from .indexer import Indexer

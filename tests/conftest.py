@@ -286,3 +286,26 @@ def parity_process(request, golden_dir: Path) -> ParityProcess:
     if _PARITY_KEY not in request.config.stash:
         request.config.stash[_PARITY_KEY] = ParityProcess(golden_dir)
     return request.config.stash[_PARITY_KEY]
+
+
+# ----------------------------------------------------------------------------- frontend on a fake engine
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The embedded tiny model's tokenizer (frontend tests)."""
+    from frontend.tokenizer import Tokenizer
+    from model.checkpoint_maker import default_model_dir
+
+    return Tokenizer(default_model_dir())
+
+
+@pytest.fixture(scope="module")
+def served(request, tokenizer):
+    """A real HTTP server on a fake engine: (server, engine). The test module may set
+    ``MODEL`` (served model name) and ``FAKE_ENGINE`` (keyword arguments of serve_fake)."""
+    from frontend.fake_engine import serve_fake
+
+    kwargs = dict(getattr(request.module, "FAKE_ENGINE", {}))
+    if hasattr(request.module, "MODEL"):
+        kwargs["model_name"] = request.module.MODEL
+    with serve_fake(tokenizer, **kwargs) as (server, engine):
+        yield server, engine

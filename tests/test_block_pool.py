@@ -11,7 +11,7 @@ import pytest
 from engine_core.block_pool import PoolExhausted, RefCountedPool
 from engine_core.sequence import SequenceStatus
 
-from test_scheduler import (  # the fake device and driver live with the scheduler tests
+from scheduler_harness import (  # the fake device and driver live with the scheduler tests
     EOS,
     STOP,
     Driver,

@@ -6,23 +6,9 @@ import httpx
 import openai
 import pytest
 
-from frontend.fake_engine import serve_fake
-from frontend.tokenizer import Tokenizer
-from model.checkpoint_maker import default_model_dir
 
 MODEL = "fake-chat"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer(default_model_dir())
-
-
-@pytest.fixture(scope="module")
-def served(tokenizer):
-    with serve_fake(tokenizer, model_name=MODEL) as (server, engine):
-        yield server, engine
 
 
 @pytest.fixture(scope="module")

@@ -19,17 +19,6 @@ OK_CHAT = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer(default_model_dir())
-
-
-@pytest.fixture(scope="module")
-def served(tokenizer):
-    with serve_fake(tokenizer, model_name=MODEL) as (server, engine):
-        yield server, engine
-
-
-@pytest.fixture(scope="module")
 def http(served):
     with httpx.Client(base_url=served[0].url) as client:
         yield client

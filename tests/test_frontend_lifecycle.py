@@ -10,8 +10,6 @@ import httpx
 import pytest
 
 from frontend.fake_engine import serve_fake
-from frontend.tokenizer import Tokenizer
-from model.checkpoint_maker import default_model_dir
 
 LONG = {"prompt": "Tell me a long story", "max_tokens": 3000}  # ~6 s of fake generation: never finishes here
 METRIC_NAMES = [
@@ -25,15 +23,7 @@ METRIC_NAMES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer(default_model_dir())
-
-
-@pytest.fixture(scope="module")
-def served(tokenizer):
-    with serve_fake(tokenizer, per_token_s=0.002, ttft_s=0.01) as (server, engine):
-        yield server, engine
+FAKE_ENGINE = {"per_token_s": 0.002, "ttft_s": 0.01}
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -5,21 +5,13 @@ from __future__ import annotations
 import asyncio
 import random
 
-import pytest
 
 from engine_core.protocol import RequestOutput, SamplingParams, TokenLogprob
 from frontend.fake_engine import fake_engine_for
 from frontend.logprobs import LogprobFormatter
 from frontend.output_stream import OutputStream
-from frontend.tokenizer import Tokenizer
-from model.checkpoint_maker import default_model_dir
 
 TEXT = "Hello wörld, 你好! The quick brown 🦊 fox jumps over the lazy dog. Ünïcödé ends here."
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer(default_model_dir())
 
 
 def _feed(stream: OutputStream, ids: list[int], chunk_sizes: list[int], finish: str = "length",
