@@ -15,13 +15,13 @@ from fastapi.responses import Response
 from jinja2 import TemplateError
 
 from .completions import DONE_FRAME, sse_frame
-from .disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, SSEResponse, run_until_disconnect
+from .disconnect import CLIENT_CLOSED_REQUEST, SSEResponse
 from .errors import bad_request, error_body, error_for
 from .logprobs import LogprobFormatter
 from .openai_types import (ChatChoice, ChatChunkChoice, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
                            ChatMessage, ChatMessageOut, Usage, to_json)
 from .serving import (PromptInput, ServingContext, all_deltas, build_params, check_context_length, make_choices,
-                      request_id_of, run_to_end, stop_strings, usage_counts)
+                      finish_without_streaming, request_id_of, stop_strings, usage_counts)
 from .tokenizer import TokenizerError
 
 # OpenAI's roles; "developer" is the newer name of "system". Whether the model's template can
@@ -136,10 +136,6 @@ async def create_chat_completion(ctx: ServingContext, raw: Request) -> Response:
     chat = _ChatCompletion(ctx, raw, ChatCompletionRequest.model_validate_json(body))
     if chat.req.stream:
         return SSEResponse(chat.events())
-    try:
-        await run_until_disconnect(raw, run_to_end(ctx, chat.choices))
-    except ClientDisconnected:
+    if not await finish_without_streaming(ctx, raw, chat.choices):
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    except Exception as exc:
-        raise error_for(exc) from None
     return Response(to_json(chat.response()), media_type="application/json")

@@ -14,14 +14,14 @@ from collections.abc import AsyncGenerator
 from fastapi import Request
 from fastapi.responses import Response
 
-from .disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, SSEResponse, run_until_disconnect
+from .disconnect import CLIENT_CLOSED_REQUEST, SSEResponse
 from .errors import bad_request, error_body, error_for
 from .logprobs import LogprobFormatter
 from .openai_types import (CompletionChoice, CompletionChoiceWithIds, CompletionRequest, CompletionResponse, Usage,
                           to_json)
 from .output_stream import StreamDelta
 from .serving import (Choice, PromptInput, ServingContext, all_deltas, build_params, check_context_length,
-                      make_choices, parse_prompts, request_id_of, run_to_end, stop_strings, usage_counts)
+                      make_choices, parse_prompts, finish_without_streaming, request_id_of, stop_strings, usage_counts)
 
 DEFAULT_MAX_TOKENS = 16
 DONE_FRAME = b"data: [DONE]\n\n"
@@ -154,11 +154,6 @@ async def create_completion(ctx: ServingContext, raw: Request) -> Response:
     completion = _Completion(ctx, raw, CompletionRequest.model_validate_json(body))
     if completion.req.stream:
         return SSEResponse(completion.events())
-    if completion.needs_engine:
-        try:
-            await run_until_disconnect(raw, run_to_end(ctx, completion.choices))
-        except ClientDisconnected:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        except Exception as exc:
-            raise error_for(exc) from None
+    if completion.needs_engine and not await finish_without_streaming(ctx, raw, completion.choices):
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     return Response(to_json(completion.response()), media_type="application/json")

@@ -314,3 +314,18 @@ async def run_to_end(ctx: ServingContext, choices: list[Choice]) -> None:
 def usage_counts(prompts: list[PromptInput], choices: list[Choice]) -> tuple[int, int]:
     """(prompt tokens counted once per prompt whatever n, completion tokens of all choices)."""
     return sum(len(p.token_ids) for p in prompts), sum(len(c.output.token_ids) for c in choices)
+
+
+async def finish_without_streaming(ctx: ServingContext, raw: Request, choices: list[Choice]) -> bool:
+    """Run a non-streaming request's choices to the end. False if the client went away first (its
+    engine requests are then aborted); engine errors become API errors."""
+    from .disconnect import ClientDisconnected, run_until_disconnect
+    from .errors import error_for
+
+    try:
+        await run_until_disconnect(raw, run_to_end(ctx, choices))
+    except ClientDisconnected:
+        return False
+    except Exception as exc:
+        raise error_for(exc) from None
+    return True

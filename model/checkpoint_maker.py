@@ -37,7 +37,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PRESET = "tiny"
 DEFAULT_SEED = 0
-DEFAULT_MODEL_NAME = "tiny-v41-seed0"
+# the suffix changes whenever make_checkpoint would write different files, so a stale cached copy
+# is never mistaken for the current default model
+DEFAULT_MODEL_NAME = "tiny-v41-seed0-r1"
 CACHE_ENV = "MINI_DEEPINFER_CACHE"
 CHECKPOINT_FILES = (
     "config.json",

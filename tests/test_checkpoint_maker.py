@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from model.checkpoint_maker import (
     CHECKPOINT_FILES,
+    DEFAULT_MODEL_NAME,
     GAINS,
     default_model_dir,
     dequantize_fp4,
@@ -258,9 +259,9 @@ def test_default_model_is_created_once_even_under_concurrency(tmp_path: Path, mo
     monkeypatch.setenv("MINI_DEEPINFER_CACHE", str(tmp_path / "cache"))
     with ThreadPoolExecutor(max_workers=3) as pool:
         paths = list(pool.map(lambda _: default_model_dir(), range(3)))
-    expected = tmp_path / "cache" / "models" / "tiny-v41-seed0"
+    expected = tmp_path / "cache" / "models" / DEFAULT_MODEL_NAME
     assert paths == [expected] * 3
-    assert [p.name for p in expected.parent.iterdir()] == ["tiny-v41-seed0"]  # losers cleaned up
+    assert [p.name for p in expected.parent.iterdir()] == [DEFAULT_MODEL_NAME]  # losers cleaned up
     stamp = (expected / "model.safetensors").stat().st_mtime_ns
     assert default_model_dir() == expected
     assert (expected / "model.safetensors").stat().st_mtime_ns == stamp
