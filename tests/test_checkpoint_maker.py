@@ -266,3 +266,15 @@ def test_default_model_is_created_once_even_under_concurrency(tmp_path: Path, mo
     assert default_model_dir() == expected
     assert (expected / "model.safetensors").stat().st_mtime_ns == stamp
     V41Config.from_pretrained(expected)
+
+
+def test_make_checkpoint_command(tmp_path, capsys):
+    """`mini-deepinfer make-checkpoint OUT --preset tiny --seed 3` writes a loadable checkpoint."""
+    from deploy.cli import main
+
+    out = tmp_path / "ckpt"
+    assert main(["make-checkpoint", str(out), "--preset", "tiny", "--seed", "3"]) == 0
+    assert "seed 3" in capsys.readouterr().out
+    assert V41Config.from_pretrained(out).num_layers == 6
+    assert main(["make-checkpoint", str(out)]) == 2  # exists and not empty: a clear error, not a traceback
+    assert "already exists" in capsys.readouterr().err
