@@ -16,17 +16,11 @@ from typing import Any
 
 from .config import EngineConfig
 from .executor import Executor
-from .protocol import AddRequest, RequestOutput, SchedulerStats, StepPlan
+from .protocol import AddRequest, RequestOutput, SchedulerStats, StepPlan, random_seed
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
-
-
-def random_seed() -> int:
-    import secrets
-
-    return secrets.randbits(63)
 
 
 @dataclass
@@ -89,11 +83,6 @@ class EngineCore:
         if not self.config.zos:
             return self._apply(launched) if launched is not None else []
         previous, self._in_flight = self._in_flight, launched
-        return self._apply(previous) if previous is not None else []
-
-    def drain(self) -> list[RequestOutput]:
-        """Wait for the step in flight (if any) and apply it."""
-        previous, self._in_flight = self._in_flight, None
         return self._apply(previous) if previous is not None else []
 
     def _apply(self, flight: InFlight) -> list[RequestOutput]:

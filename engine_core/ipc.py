@@ -1,8 +1,8 @@
 """ZeroMQ plumbing shared by the frontend, the engine core and the workers.
 
-Every link uses one long-lived socket per direction. Endpoints are unique per server instance:
-``ipc://`` paths in a private temporary directory when all processes share a host, ``tcp://``
-when they do not, so two servers on one machine never collide. A message is a multipart frame
+Every link uses one long-lived socket per direction. Endpoints are ``ipc://`` paths in a private
+temporary directory, unique per server instance, so two servers on one machine never collide
+(all processes share one host; a multi-host launch would use ``tcp://`` addresses instead). A message is a multipart frame
 list: ``[MessageType byte, msgpack payload]``.
 """
 
@@ -33,10 +33,6 @@ class Endpoints:
         base = tempfile.mkdtemp(prefix="mini-deepinfer-")
         tag = uuid.uuid4().hex[:8]
         return cls(*(f"ipc://{os.path.join(base, f'{name}-{tag}')}" for name in ("req", "out", "step", "res")))
-
-    @classmethod
-    def tcp(cls, host: str, first_port: int) -> "Endpoints":
-        return cls(*(f"tcp://{host}:{first_port + i}" for i in range(4)))
 
     def cleanup(self) -> None:
         for address in (self.requests, self.outputs, self.steps, self.results):

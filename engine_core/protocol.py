@@ -14,6 +14,7 @@ pickled. New fields go at the end with a default, so older peers still decode.
 from __future__ import annotations
 
 import enum
+import secrets
 
 import msgspec
 
@@ -78,6 +79,11 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def random_seed() -> int:
+    """The seed of a request that gave none (63 bits: fits an int64 message field)."""
+    return secrets.randbits(63)
 
 
 # ----------------------------------------------------------------------------- frontend <-> core

@@ -55,10 +55,6 @@ class ForwardBatch:
     def rows(self, b: int) -> slice:
         return slice(self.offsets[b], self.offsets[b] + self.chunks[b].length)
 
-    def last_rows(self) -> torch.Tensor:
-        """Flat row of each chunk's last token (where next-token logits come from)."""
-        return torch.tensor([o + c.length - 1 for o, c in zip(self.offsets, self.chunks)], dtype=torch.long)
-
     @classmethod
     def build(cls, token_ids: list[list[int]], starts: list[int], slots: list[int],
               block_tables: list[list[int]], previous_starts: list[int] | None = None,

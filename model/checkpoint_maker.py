@@ -31,6 +31,7 @@ from .config import V41Config
 from .engram_token_map import build_compressed_token_map, write_token_map
 from .presets import preset_config, preset_vocab_size
 from .tokenizer_builder import PAD_TOKEN, save_tokenizer, train_tokenizer
+from .quant import pack_e2m1
 from .weight_spec import TensorSpec, checkpoint_tensors
 
 logger = logging.getLogger(__name__)
@@ -71,11 +72,6 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 BLOCK = 32
 TORCH_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn,
                 "F8_E8M0": torch.float8_e8m0fnu, "I8": torch.int8}
-# E2M1 code -> value; bit 3 is the sign, so codes 8..15 mirror 0..7 (8 is -0).
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                            -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-
-
 def power_of_two_ceil(x: torch.Tensor) -> torch.Tensor:
     """Smallest power of two >= x (x > 0), computed exactly from the binary exponent."""
     mantissa, exponent = torch.frexp(x)  # x = mantissa * 2**exponent, mantissa in [0.5, 1)
@@ -101,30 +97,6 @@ def quantize_fp8(weight: torch.Tensor, block_rows: int = BLOCK, block_cols: int 
     scaled = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     values = scaled.view_as(padded)[:rows, :cols].to(torch.float8_e4m3fn)
     return values, scale.to(torch.float8_e8m0fnu)
-
-
-def dequantize_fp8(values: torch.Tensor, scale: torch.Tensor, block_rows: int = BLOCK,
-                   block_cols: int = BLOCK) -> torch.Tensor:
-    rows, cols = values.shape
-    expanded = scale.float().repeat_interleave(block_rows, 0).repeat_interleave(block_cols, 1)
-    return values.float() * expanded[:rows, :cols]
-
-
-def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
-    """Pack E2M1 codes (0..15) two per byte: element 2k in the low nibble, 2k+1 in the high one."""
-    codes = codes.to(torch.uint8)
-    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(torch.int8)
-
-
-def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``pack_fp4``: I8 ``[out, in/2]`` -> uint8 codes ``[out, in]``."""
-    raw = packed.view(torch.uint8)
-    return torch.stack([raw & 0x0F, raw >> 4], dim=-1).flatten(-2)
-
-
-def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    values = E2M1_VALUES[unpack_fp4(packed).long()]
-    return values * scale.float().repeat_interleave(BLOCK, 1)
 
 
 # ----------------------------------------------------------------- random weights
@@ -171,7 +143,7 @@ def _random_fp4(name: str, spec: TensorSpec, gen: torch.Generator) -> tuple[torc
     target = _gain(name) * in_f ** -0.5 / FP4_SCALE_DIVISOR
     jitter = torch.randint(-1, 2, (out_f, in_f // BLOCK), generator=gen, dtype=torch.int64)
     exponents = (round(math.log2(target)) + jitter).float()
-    return pack_fp4(codes), torch.exp2(exponents).to(torch.float8_e8m0fnu)
+    return pack_e2m1(codes.to(torch.uint8)).view(torch.int8), torch.exp2(exponents).to(torch.float8_e8m0fnu)
 
 
 def random_weights(cfg: V41Config, seed: int) -> dict[str, torch.Tensor]:

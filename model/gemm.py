@@ -72,13 +72,3 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, batch_invariant: bool) -
     shape = x.shape
     y = rowwise_linear(x.reshape(-1, shape[-1]), weight)
     return y.view(*shape[:-1], weight.shape[0])
-
-
-def rowwise_bmm(a: torch.Tensor, b: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
-    """``a [B, M, K] @ b [B, K, N]``; with ``batch_invariant`` each of the M rows is its own product."""
-    if not batch_invariant or a.shape[1] == 1:
-        return torch.bmm(a, b)
-    bsz, m, k = a.shape
-    n = b.shape[-1]
-    out = torch.bmm(a.reshape(bsz * m, 1, k), b.unsqueeze(1).expand(bsz, m, k, n).reshape(bsz * m, k, n))
-    return out.view(bsz, m, n)

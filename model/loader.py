@@ -132,8 +132,9 @@ def load_engram_token_map(path: Path, cfg: V41Config) -> tuple[list[int], int, i
 class _Builder:
     """Turns checkpoint tensors into the model's modules, one converter per storage format."""
 
-    def __init__(self, cfg: V41Config, reader: CheckpointReader, options: ModelOptions):
+    def __init__(self, cfg: V41Config, reader: CheckpointReader, options: ModelOptions, expert_range: range):
         self.cfg, self.reader, self.options = cfg, reader, options
+        self.expert_range = expert_range  # the routed experts this rank holds
         self.bi = options.batch_invariant
 
     def t(self, name: str) -> torch.Tensor:
@@ -195,7 +196,7 @@ class _Builder:
         router = Router(self.t(f + "gate.weight").float(), self.t(f + "gate.bias").float(),
                         cfg.num_experts_per_token, cfg.scoring_func, cfg.norm_topk_prob,
                         cfg.routed_scaling_factor, cfg.gate_temperature, self.bi)
-        experts = {e: self.expert(f"{f}experts.{e}") for e in self.local_experts()}
+        experts = {e: self.expert(f"{f}experts.{e}") for e in self.expert_range}
         moe = MoE(router, experts, self.expert(f + "shared_experts"), cfg.num_routed_experts)
         engram = None
         if role.has_engram:
@@ -214,9 +215,6 @@ class _Builder:
         return Block(layer, cfg, attention, moe, self.t(p + "attn_norm.weight"), self.t(p + "ffn_norm.weight"),
                      hc("attn"), hc("ffn"), engram, self.bi).to(device)
 
-    def local_experts(self) -> range:
-        return range(self.cfg.num_routed_experts)
-
 
 def load_model(path: str | Path, options: ModelOptions | None = None, device: str | torch.device = "cpu",
                expert_range: range | None = None) -> V41Model:
@@ -226,9 +224,7 @@ def load_model(path: str | Path, options: ModelOptions | None = None, device: st
     cfg = V41Config.from_pretrained(path)
     reader = CheckpointReader(path)
     validate_checkpoint(cfg, reader)
-    builder = _Builder(cfg, reader, options)
-    if expert_range is not None:
-        builder.local_experts = lambda: expert_range  # type: ignore[method-assign]
+    builder = _Builder(cfg, reader, options, expert_range or range(cfg.num_routed_experts))
     hasher = None
     if cfg.engram_layer_ids:
         lookup, size, pad = load_engram_token_map(path, cfg)

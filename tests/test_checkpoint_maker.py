@@ -18,15 +18,12 @@ from model.checkpoint_maker import (
     DEFAULT_MODEL_NAME,
     GAINS,
     default_model_dir,
-    dequantize_fp4,
-    dequantize_fp8,
     make_checkpoint,
-    pack_fp4,
     power_of_two_ceil,
     quantize_fp8,
-    unpack_fp4,
 )
 from model.config import V41Config
+from model.quant import dequantize_fp4_weight, dequantize_fp8_rows, dequantize_fp8_weight, pack_e2m1, unpack_e2m1
 from model.engram_token_map import build_compressed_token_map, load_token_map, token_key, write_token_map
 from model.presets import engram_bucket_primes, is_prime
 from model.tokenizer_builder import CHAT_TEMPLATE, SPECIAL_TOKENS, train_tokenizer
@@ -112,7 +109,7 @@ def test_quantize_fp8_handles_ragged_tiles() -> None:
     values, scale = quantize_fp8(w)
     assert values.dtype == torch.float8_e4m3fn and scale.dtype == torch.float8_e8m0fnu
     assert scale.shape == (2, 3)
-    restored = dequantize_fp8(values, scale)
+    restored = dequantize_fp8_weight(values, scale).float()
     assert torch.all((restored - w).abs() <= w.abs() * 2.0 ** -4 + scale.float().min() * 2.0 ** -9)
 
 
@@ -129,7 +126,8 @@ def test_fp8_weights_use_smallest_scale_and_requested_std(weights: dict[str, tor
         tiles = q.view(q.shape[0] // rows, rows, q.shape[1] // cols, cols).abs().amax(dim=(1, 3))
         # Smallest power of two with amax/scale <= 448 means every tile's largest |value| is in [224, 448].
         assert tiles.min() >= 224 and tiles.max() <= 448, name
-        std = dequantize_fp8(values, scale, rows, cols).std().item()
+        restored = dequantize_fp8_rows(values, scale) if table else dequantize_fp8_weight(values, scale)
+        std = restored.float().std().item()
         module = name.split(".")[-2]
         expected = 1.0 if table else GAINS.get(module, 1.0) * values.shape[1] ** -0.5
         assert abs(std / expected - 1) < 0.06, (name, std, expected)
@@ -139,17 +137,17 @@ def test_fp8_weights_use_smallest_scale_and_requested_std(weights: dict[str, tor
 
 def test_fp4_packing_round_trips_and_expert_scales(weights: dict[str, torch.Tensor]) -> None:
     codes = torch.randint(0, 16, (8, 64), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
-    packed = pack_fp4(codes)
-    assert packed.dtype == torch.int8 and packed.shape == (8, 32)
-    assert torch.equal(unpack_fp4(packed), codes)
-    assert pack_fp4(torch.tensor([[0x1, 0xA]])).view(torch.uint8).item() == 0xA1  # element 0 in the low nibble
+    packed = pack_e2m1(codes)
+    assert packed.shape == (8, 32)
+    assert torch.equal(unpack_e2m1(packed), codes)
+    assert pack_e2m1(torch.tensor([[0x1, 0xA]], dtype=torch.uint8)).item() == 0xA1  # element 0 in the low nibble
     w1 = weights["layers.0.ffn.experts.0.w1.weight"]
     scale = weights["layers.0.ffn.experts.0.w1.scale"]
     assert w1.dtype == torch.int8 and scale.shape == (w1.shape[0], w1.shape[1] * 2 // 32)
     centre = round(math.log2(GAINS["w1"] * (w1.shape[1] * 2) ** -0.5 / 3.2))
     assert set(torch.log2(scale.float()).unique().tolist()) == {centre - 1.0, centre, centre + 1.0}
-    assert 0.08 < dequantize_fp4(w1, scale).std().item() < 0.16
-    assert torch.bincount(unpack_fp4(w1).flatten().long(), minlength=16).min() > 0.9 * w1.numel() * 2 / 16
+    assert 0.08 < dequantize_fp4_weight(w1, scale).float().std().item() < 0.16
+    assert torch.bincount(unpack_e2m1(w1).flatten().long(), minlength=16).min() > 0.9 * w1.numel() * 2 / 16
 
 
 def test_unquantized_statistics(weights: dict[str, torch.Tensor]) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.gemm import block_scaled_linear, dense_linear, rowwise_bmm
+from model.gemm import block_scaled_linear, dense_linear
 from model.quant import E2M1_SIGNED
 
 # one intra-op thread (see conftest); the thread-count test switches to 2 itself
@@ -88,12 +88,10 @@ def test_results_do_not_depend_on_the_thread_count() -> None:
     xb, wb = x32.bfloat16(), w32.bfloat16()
     values, scales = fp8_operands(768, 512, seed=4)
     xq = (torch.randn(M_MAX, 512, generator=g) * 3).bfloat16()
-    a = torch.randn(4, 50, 64, generator=g)
-    b = torch.randn(4, 64, 96, generator=g)
 
     def compute():
         return [dense_linear(x32, w32, True), dense_linear(xb, wb, True),
-                block_scaled_linear(xq, values, scales, True), rowwise_bmm(a, b, True)]
+                block_scaled_linear(xq, values, scales, True)]
 
     before = torch.get_num_threads()
     try:
@@ -140,16 +138,6 @@ def test_block_scaled_linear_matches_its_definition() -> None:
     expected = fp8_qdq(x, 32).float() @ w.t()
     got = block_scaled_linear(x, values, scales, batch_invariant=True, out_dtype=torch.float32)
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-
-
-def test_rowwise_bmm_rows_are_batch_invariant() -> None:
-    g = gen(5)
-    a = torch.randn(3, 130, 64, generator=g)
-    b = torch.randn(3, 64, 40, generator=g)
-    full = rowwise_bmm(a, b, True)
-    for m in (1, 2, 17, 64, 129):
-        assert torch.equal(rowwise_bmm(a[:, :m], b, True), full[:, :m]), m
-    assert torch.equal(torch.cat([rowwise_bmm(a[:, i:i + 1], b, True) for i in range(130)], dim=1), full)
 
 
 def test_the_invariance_checks_have_teeth() -> None:

@@ -33,13 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from workers import sampling_noise
-from workers.sampling_params_tensors import (  # re-exported: the sampler's public API
-    GREEDY_TEMPERATURE_EPS,
-    RowSpec,
-    SamplingBatch,
-    SamplingParams,
-    random_seed,
-)
+from engine_core.protocol import GREEDY_TEMPERATURE_EPS, SamplingParams, random_seed
+from workers.sampling_params_tensors import RowSpec, SamplingBatch  # re-exported: the sampler's public API
 
 __all__ = [
     "GREEDY_TEMPERATURE_EPS",

@@ -11,7 +11,6 @@ without a row's result depending on its neighbours.
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,12 +19,7 @@ import torch
 from workers import sampling_noise
 
 # SamplingParams travels in step plans, so it lives with the other wire types.
-from engine_core.protocol import GREEDY_TEMPERATURE_EPS, SamplingParams  # noqa: E402,F401
-
-
-def random_seed() -> int:
-    """A fresh seed for a request that gave none (63 bits: fits an int64 message field)."""
-    return secrets.randbits(63)
+from engine_core.protocol import SamplingParams  # noqa: E402
 
 
 @dataclass(frozen=True)
