@@ -8,17 +8,26 @@ import sys
 
 
 def _make_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    from model.presets import preset_names
+
     parser.add_argument("out", help="directory to create")
-    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--preset", default="tiny", help=f"one of: {', '.join(preset_names())}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--config-only", action="store_true",
+                        help="write config, tokenizer and Engram token map but no weights "
+                             "(a model directory for --load-format dummy)")
 
 
 def _make_checkpoint(args: argparse.Namespace) -> int:
     from model.checkpoint_maker import make_checkpoint
 
-    path = make_checkpoint(args.out, preset=args.preset, seed=args.seed, overwrite=args.overwrite)
-    print(f"wrote a {args.preset} DeepSeek-V4.1 checkpoint (seed {args.seed}) to {path}")
+    path = make_checkpoint(args.out, preset=args.preset, seed=args.seed, overwrite=args.overwrite,
+                           config_only=args.config_only)
+    if args.config_only:
+        print(f"wrote a {args.preset} DeepSeek-V4.1 config without weights (for --load-format dummy) to {path}")
+    else:
+        print(f"wrote a {args.preset} DeepSeek-V4.1 checkpoint (seed {args.seed}) to {path}")
     return 0
 
 
@@ -34,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve": ("OpenAI-compatible HTTP server", serve_cli.add_arguments, serve_cli.main),
         "generate": ("offline generation from a JSONL file", generate_cli.add_arguments, generate_cli.main),
         "parity": ("compare the model with DeepSeek's reference outputs", parity.add_arguments, parity.main),
-        "make-checkpoint": ("write a seeded random tiny V4.1 checkpoint", _make_checkpoint_arguments,
+        "make-checkpoint": ("write a seeded random V4.1 checkpoint (or only its config)", _make_checkpoint_arguments,
                             _make_checkpoint),
     }
     for name, (help_text, add, run) in commands.items():

@@ -24,12 +24,22 @@ class EngineConfig:
     batch_invariant: bool | None = None  # default: on for CPU, off for CUDA
     official_index_handoff: bool = False  # reproduce the reference's index-key hand-off quirk
     max_queued_requests: int = 1024  # waiting requests beyond this get 503 (frontend)
+    kernels: str | None = None  # kernel backend: reference | triton (default: triton on CUDA, reference on CPU)
+    load_format: str = "auto"  # auto (safetensors files) | dummy (random weights made on the device)
 
     @property
     def resolved_batch_invariant(self) -> bool:
         return self.device == "cpu" if self.batch_invariant is None else self.batch_invariant
 
+    @property
+    def resolved_kernels(self) -> str:
+        return ("triton" if self.device == "cuda" else "reference") if self.kernels is None else self.kernels
+
     def __post_init__(self) -> None:
+        if self.kernels not in (None, "reference", "triton"):
+            raise ValueError(f"--kernels must be reference or triton, got {self.kernels!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"--load-format must be auto or dummy, got {self.load_format!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         for name in ("dp_size", "max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -66,6 +76,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--official-index-handoff", action="store_true",
                    help="reproduce the reference's index-key hand-off on decode steps (see model/transformer.py)")
     g.add_argument("--max-queued-requests", type=int, default=1024)
+    g.add_argument("--kernels", choices=["reference", "triton"], default=None,
+                   help="kernel backend of the FP8/FP4 products (default: triton on cuda, reference on cpu)")
+    g.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights in their storage formats made on the device; the model "
+                        "directory needs only config.json and a tokenizer (make-checkpoint --config-only)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -78,4 +93,4 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         import torch
 
         values["device"] = "cuda" if torch.cuda.is_available() else "cpu"
-    return EngineConfig(**{k: v for k, v in values.items() if v is not None or k == "batch_invariant"})
+    return EngineConfig(**{k: v for k, v in values.items() if v is not None or k in ("batch_invariant", "kernels")})

@@ -21,6 +21,7 @@ from .attention_lists import TokenSelection, join_lists, window_list
 from .compressor import Compressor
 from .config import LayerRole, V41Config
 from .indexer import Indexer
+from .kernels import KernelBackend, QuantizedWeight
 from .layers import Linear, rms_norm
 from .quant import fp8_qdq
 from .rope import RotaryTable
@@ -43,18 +44,19 @@ class AttentionWeights:
     wq_b: Linear
     wkv: Linear
     kv_norm: torch.Tensor
-    wo_a: torch.Tensor  # [groups * o_lora_rank, heads * head_dim / groups] bf16 (dequantized, as the reference)
+    wo_a: QuantizedWeight | torch.Tensor  # [groups * o_lora_rank, heads * head_dim / groups]
     wo_b: Linear
     sink: torch.Tensor  # [heads] fp32
 
 
 class Attention:
     def __init__(self, cfg: V41Config, role: LayerRole, weights: AttentionWeights,
-                 compressor: Compressor | None, indexer: Indexer | None, batch_invariant: bool,
+                 compressor: Compressor | None, indexer: Indexer | None, kernels: KernelBackend,
                  reference_layout: bool, device: torch.device | str = "cpu"):
         self.cfg, self.role, self.w = cfg, role, weights
+        self.kernels = kernels
         self.compressor, self.indexer = compressor, indexer
-        self.batch_invariant, self.reference_layout = batch_invariant, reference_layout
+        self.reference_layout = reference_layout
         self.rope = RotaryTable.for_layer(cfg, role.compress_ratio, device)
         self.scale = cfg.head_dim ** -0.5
 
@@ -132,15 +134,5 @@ class Attention:
     def _grouped_output(self, o: torch.Tensor) -> torch.Tensor:
         """[T, H, D] -> [T, groups * o_lora_rank]: each group of heads through its own slice of wo_a."""
         cfg = self.cfg
-        t = o.shape[0]
-        groups = cfg.o_groups
-        o = o.reshape(t, groups, cfg.num_heads * cfg.head_dim // groups)
-        wo_a = self.w.wo_a.view(groups, cfg.o_lora_rank, -1)
-        if self.batch_invariant:
-            # one [1, d] x [d, r] product per (token, group), as in a reference decode step; the
-            # group's weight is broadcast over the tokens (stride 0), not copied
-            out = torch.stack([torch.bmm(o[:, g].unsqueeze(1), wo_a[g].t().unsqueeze(0).expand(t, -1, -1)).squeeze(1)
-                               for g in range(groups)], dim=1)
-        else:
-            out = torch.einsum("tgd,grd->tgr", o, wo_a)
-        return out.flatten(1)
+        grouped = o.reshape(o.shape[0], cfg.o_groups, cfg.num_heads * cfg.head_dim // cfg.o_groups)
+        return self.kernels.grouped_dequantized_linear(grouped, self.w.wo_a).flatten(1)

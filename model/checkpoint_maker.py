@@ -8,7 +8,9 @@ statistics matter: a model with wrong norm or gain scales saturates the FP8 quan
 degenerate routing and flat logits, and would hide bugs that the real model exposes.
 
 Everything is drawn from one ``torch.Generator`` in ``checkpoint_tensors`` order, so the same
-preset and seed give byte-identical files. A checkpoint is built in a temporary sibling
+preset and seed give byte-identical files. ``model.dummy_weights`` uses the same initialisers to
+make weights up on a device for ``--load-format dummy`` (``make-checkpoint --config-only`` writes
+the directory such a load starts from). A checkpoint is built in a temporary sibling
 directory and renamed into place, so a reader never sees half a model; ``default_model_dir``
 relies on that to let several processes race to create the cached default model.
 """
@@ -42,13 +44,14 @@ DEFAULT_SEED = 0
 # is never mistaken for the current default model
 DEFAULT_MODEL_NAME = "tiny-v41-seed0-r1"
 CACHE_ENV = "MINI_DEEPINFER_CACHE"
+WEIGHTS_FILE = "model.safetensors"
 CHECKPOINT_FILES = (
     "config.json",
     "generation_config.json",
     "tokenizer.json",
     "tokenizer_config.json",
     "engram_token_map.json",
-    "model.safetensors",
+    WEIGHTS_FILE,
 )
 
 # ----------------------------------------------------------------- statistics (golden README, section 4)
@@ -72,6 +75,9 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 BLOCK = 32
 TORCH_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn,
                 "F8_E8M0": torch.float8_e8m0fnu, "I8": torch.int8}
+_QUANT_BAND_ELEMENTS = 1 << 26  # fp32 scratch per band of quantize_fp8: 256 MB
+
+
 def power_of_two_ceil(x: torch.Tensor) -> torch.Tensor:
     """Smallest power of two >= x (x > 0), computed exactly from the binary exponent."""
     mantissa, exponent = torch.frexp(x)  # x = mantissa * 2**exponent, mantissa in [0.5, 1)
@@ -85,21 +91,37 @@ def quantize_fp8(weight: torch.Tensor, block_rows: int = BLOCK, block_cols: int 
 
     The scale is the smallest power of two that brings the tile's largest magnitude within
     e4m3's range, so the division is exact and the only rounding is e4m3's round-to-nearest-even.
+    Works on the tensor's device, a band of whole tile rows at a time so that a large tensor (a
+    real-size Engram table) needs little scratch memory beyond its result.
     """
     rows, cols = weight.shape
+    values = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=weight.device)
+    band = max(1, _QUANT_BAND_ELEMENTS // (block_rows * cols)) * block_rows
+    scales = []
+    for start in range(0, rows, band):
+        band_values, band_scale = _quantize_fp8_band(weight[start:start + band], block_rows, block_cols)
+        values[start:start + band] = band_values
+        scales.append(band_scale)
+    return values, torch.cat(scales).to(torch.float8_e8m0fnu)
+
+
+def _quantize_fp8_band(weight: torch.Tensor, block_rows: int, block_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_fp8`` of a few tile rows; the scales come back as fp32 powers of two."""
+    rows, cols = weight.shape
     grid_r, grid_c = math.ceil(rows / block_rows), math.ceil(cols / block_cols)
-    padded = torch.zeros(grid_r * block_rows, grid_c * block_cols, dtype=torch.float32)
+    padded = torch.zeros(grid_r * block_rows, grid_c * block_cols, dtype=torch.float32, device=weight.device)
     padded[:rows, :cols] = weight.float()
     tiles = padded.view(grid_r, block_rows, grid_c, block_cols)
     amax = tiles.abs().amax(dim=(1, 3)).double()
     # An all-zero tile gets the smallest normal scale instead of dividing by zero.
     scale = power_of_two_ceil((amax / FP8_MAX).clamp(min=2.0 ** -126)).float()
-    scaled = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
-    values = scaled.view_as(padded)[:rows, :cols].to(torch.float8_e4m3fn)
-    return values, scale.to(torch.float8_e8m0fnu)
+    scaled = (tiles / scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
+    return scaled.view_as(padded)[:rows, :cols].to(torch.float8_e4m3fn), scale
 
 
 # ----------------------------------------------------------------- random weights
+# Every initialiser draws from the generator it is given, on that generator's device, so the same
+# code fills a checkpoint file on the CPU and dummy weights directly on a GPU.
 def _gain(name: str) -> float:
     module = name.split(".")[-2] if "." in name else name
     return GAINS.get(module, 1.0)
@@ -107,7 +129,7 @@ def _gain(name: str) -> float:
 
 def _float_values(name: str, spec: TensorSpec, gen: torch.Generator) -> torch.Tensor:
     """fp32 values of a tensor stored unquantized (BF16/F32), by what the tensor is."""
-    normal = torch.randn(spec.shape, generator=gen, dtype=torch.float32)
+    normal = torch.randn(spec.shape, generator=gen, dtype=torch.float32, device=gen.device)
     kind, fan_in = spec.kind, spec.shape[-1]
     if kind == "embed":
         return normal * EMBED_RMS
@@ -127,23 +149,55 @@ def _float_values(name: str, spec: TensorSpec, gen: torch.Generator) -> torch.Te
 
 
 def _random_fp8(name: str, spec: TensorSpec, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    normal = torch.randn(spec.shape, generator=gen, dtype=torch.float32)
+    normal = torch.randn(spec.shape, generator=gen, dtype=torch.float32, device=gen.device)
     if spec.kind == "engram_table":
         # Table rows are unit gaussian, scaled per row and per 32 columns.
         return quantize_fp8(normal, 1, BLOCK)
     if spec.kind not in PROJECTION_KINDS:
         raise ValueError(f"{name}: no FP8 initialiser for tensor kind {spec.kind!r}")
-    return quantize_fp8(normal * (_gain(name) * spec.shape[1] ** -0.5))
+    return quantize_fp8(normal.mul_(_gain(name) * spec.shape[1] ** -0.5))
 
 
-def _random_fp4(name: str, spec: TensorSpec, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uniform random E2M1 codes with per-row-per-32 power-of-two scales around the target std."""
+def _random_fp4(name: str, spec: TensorSpec, gen: torch.Generator, packed_codes: bool = False,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniform random E2M1 codes with per-row-per-32 power-of-two scales around the target std.
+
+    ``packed_codes`` draws the packed bytes directly (the same uniform codes, one random byte per
+    pair instead of one int64 per code): the fast path for real-size dummy experts. Checkpoint
+    files keep drawing one code at a time, so their bytes never change.
+    """
     out_f, in_f = spec.shape[0], spec.shape[1] * 2
-    codes = torch.randint(0, 16, (out_f, in_f), generator=gen, dtype=torch.int64)
+    if packed_codes:
+        packed = torch.randint(-128, 128, spec.shape, generator=gen, dtype=torch.int8, device=gen.device)
+    else:
+        codes = torch.randint(0, 16, (out_f, in_f), generator=gen, dtype=torch.int64, device=gen.device)
+        packed = pack_e2m1(codes.to(torch.uint8)).view(torch.int8)
     target = _gain(name) * in_f ** -0.5 / FP4_SCALE_DIVISOR
-    jitter = torch.randint(-1, 2, (out_f, in_f // BLOCK), generator=gen, dtype=torch.int64)
+    jitter = torch.randint(-1, 2, (out_f, in_f // BLOCK), generator=gen, dtype=torch.int64, device=gen.device)
     exponents = (round(math.log2(target)) + jitter).float()
-    return pack_e2m1(codes.to(torch.uint8)).view(torch.int8), torch.exp2(exponents).to(torch.float8_e8m0fnu)
+    return packed, torch.exp2(exponents).to(torch.float8_e8m0fnu)
+
+
+def scale_name(weight_name: str) -> str:
+    return weight_name.removesuffix(".weight") + ".scale"
+
+
+def random_tensor(name: str, spec: TensorSpec, gen: torch.Generator, packed_fp4_codes: bool = False,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight in its storage format and, for FP8/FP4, its scale tensor (else None)."""
+    if spec.dtype == "F8_E4M3":
+        return _random_fp8(name, spec, gen)
+    if spec.dtype == "I8":
+        return _random_fp4(name, spec, gen, packed_fp4_codes)
+    return _float_values(name, spec, gen).to(TORCH_DTYPES[spec.dtype]), None
+
+
+def check_tensor(name: str, tensor: torch.Tensor, spec: TensorSpec | None) -> None:
+    """A made tensor must be exactly what the spec lists (a mismatch is a bug of the initialisers)."""
+    if spec is None:
+        raise AssertionError(f"made {name}, which the weight spec does not list")
+    if tuple(tensor.shape) != spec.shape or tensor.dtype != TORCH_DTYPES[spec.dtype]:
+        raise AssertionError(f"{name}: made {tuple(tensor.shape)} {tensor.dtype}, spec says {spec}")
 
 
 def random_weights(cfg: V41Config, seed: int) -> dict[str, torch.Tensor]:
@@ -154,19 +208,12 @@ def random_weights(cfg: V41Config, seed: int) -> dict[str, torch.Tensor]:
     for name, spec in specs.items():
         if spec.kind == "scale":
             continue  # made together with its weight
-        if spec.dtype in ("F8_E4M3", "I8"):
-            maker = _random_fp8 if spec.dtype == "F8_E4M3" else _random_fp4
-            values, scale = maker(name, spec, gen)
-            scale_name = name.removesuffix(".weight") + ".scale"
-            if scale_name not in specs or tuple(scale.shape) != specs[scale_name].shape:
-                raise ValueError(f"{name}: scale tensor {scale_name} missing from the spec or mis-shaped")
-            tensors[name], tensors[scale_name] = values, scale
-        else:
-            tensors[name] = _float_values(name, spec, gen).to(TORCH_DTYPES[spec.dtype])
+        tensors[name], scale = random_tensor(name, spec, gen)
+        if scale is not None:
+            check_tensor(scale_name(name), scale, specs.get(scale_name(name)))
+            tensors[scale_name(name)] = scale
     for name, spec in specs.items():
-        tensor = tensors[name]
-        if tuple(tensor.shape) != spec.shape or tensor.dtype != TORCH_DTYPES[spec.dtype]:
-            raise AssertionError(f"{name}: made {tuple(tensor.shape)} {tensor.dtype}, spec says {spec}")
+        check_tensor(name, tensors[name], spec)
     return tensors
 
 
@@ -175,8 +222,12 @@ def _write_json(path: Path, document: dict) -> None:
     path.write_text(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
 
 
-def write_checkpoint_files(out_dir: Path, preset: str, seed: int) -> None:
-    """Write every checkpoint file into the existing directory ``out_dir`` (not atomic by itself)."""
+def write_checkpoint_files(out_dir: Path, preset: str, seed: int, config_only: bool = False) -> None:
+    """Write every checkpoint file into the existing directory ``out_dir`` (not atomic by itself).
+
+    ``config_only`` leaves out ``model.safetensors``: such a directory describes the model for
+    ``--load-format dummy``, which makes the weights up on the device instead.
+    """
     tokenizer = train_tokenizer(preset_vocab_size(preset))
     config = preset_config(preset, tokenizer)
     cfg = V41Config.from_hf_dict(config, source=f"preset {preset!r}")
@@ -187,11 +238,13 @@ def write_checkpoint_files(out_dir: Path, preset: str, seed: int) -> None:
     save_tokenizer(tokenizer, out_dir, model_max_length=text["max_position_embeddings"])
     lookup, compressed = build_compressed_token_map(tokenizer)
     write_token_map(out_dir / "engram_token_map.json", lookup, compressed, tokenizer.token_to_id(PAD_TOKEN))
-    # One metadata key only: safetensors keeps metadata in a hash map, so several keys would be
-    # written in a random order and break byte-identical output.
-    save_file(random_weights(cfg, seed), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    if not config_only:
+        # One metadata key only: safetensors keeps metadata in a hash map, so several keys would be
+        # written in a random order and break byte-identical output.
+        save_file(random_weights(cfg, seed), str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     for name in CHECKPOINT_FILES:  # some writers create private temp files and rename them
-        os.chmod(out_dir / name, 0o644)
+        if not (config_only and name == WEIGHTS_FILE):
+            os.chmod(out_dir / name, 0o644)
 
 
 def _is_empty_dir(path: Path) -> bool:
@@ -215,11 +268,12 @@ def _publish(staged: Path, out_dir: Path, overwrite: bool) -> None:
 
 
 def make_checkpoint(out_dir: str | Path, preset: str = DEFAULT_PRESET, seed: int = DEFAULT_SEED,
-                    overwrite: bool = False) -> Path:
+                    overwrite: bool = False, config_only: bool = False) -> Path:
     """Write a random ``preset`` checkpoint seeded with ``seed`` to ``out_dir``; returns its path.
 
     ``out_dir`` must not exist or be empty, unless ``overwrite``. Raises ``FileExistsError`` when
-    it is (or becomes, through a concurrent writer) a non-empty directory.
+    it is (or becomes, through a concurrent writer) a non-empty directory. ``config_only`` writes
+    everything but the weights (seconds, even for the real-size presets).
     """
     out_dir = Path(out_dir).expanduser().absolute()
     preset_vocab_size(preset)  # unknown preset: fail before touching the filesystem
@@ -231,7 +285,7 @@ def make_checkpoint(out_dir: str | Path, preset: str = DEFAULT_PRESET, seed: int
     staged = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         os.chmod(staged, 0o755)  # mkdtemp makes it private; the published model is not
-        write_checkpoint_files(staged, preset, int(seed))
+        write_checkpoint_files(staged, preset, int(seed), config_only)
         _publish(staged, out_dir, overwrite)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)

@@ -23,6 +23,7 @@ from .batch import ForwardBatch
 from .cache import V41Cache
 from .config import V41Config
 from .layers import Linear
+from .quant import dequantize_fp8_rows
 from .presets import engram_bucket_primes
 
 
@@ -92,21 +93,27 @@ class NgramHasher:
 
 
 class Engram:
-    def __init__(self, table: torch.Tensor, wkv: Linear, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                 hc: int, dim: int, eps: float):
-        self.table = table  # [rows, head_dim] bf16, the exact dequantized FP8 rows
+    def __init__(self, table: torch.Tensor, table_scale: torch.Tensor | None, wkv: Linear, q_weight: torch.Tensor,
+                 k_weight: torch.Tensor, hc: int, dim: int, eps: float):
+        # [rows, head_dim] as stored: e4m3 values with one UE8M0 scale per row per 32 (table_scale),
+        # or bf16; only the gathered rows are ever dequantized
+        self.table, self.table_scale = table, table_scale
         self.wkv, self.hc, self.dim, self.eps = wkv, hc, dim, eps
         self.gate_weight = q_weight.float() * k_weight.float()  # only ever used as a product
         self.clamp_value = 1e-6
 
     def to(self, device) -> "Engram":
         self.table, self.gate_weight = self.table.to(device), self.gate_weight.to(device)
+        if self.table_scale is not None:
+            self.table_scale = self.table_scale.to(device)
         self.wkv.to(device)
         return self
 
     def __call__(self, stream: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:
         """stream [T, hc, D] bf16, hash_ids [T, columns] -> new stream [T, hc, D]."""
         rows = self.table[hash_ids]  # [T, columns, head_dim]
+        if self.table_scale is not None:
+            rows = dequantize_fp8_rows(rows, self.table_scale[hash_ids])
         kv = self.wkv(rows.flatten(-2))
         key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
         key = key.float().unflatten(-1, (self.hc, self.dim))

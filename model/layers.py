@@ -4,34 +4,33 @@ from __future__ import annotations
 
 import torch
 
-from .gemm import block_scaled_linear, dense_linear
+from .gemm import dense_linear
+from .kernels import KernelBackend, QuantizedWeight
 
 
 class Linear:
     """A projection ``y = x @ W.T`` as the reference computes it for the weight's storage format.
 
-    FP8/FP4 weights keep their unscaled values and per-row-per-32 scales for the block-scaled
-    GEMM (which quantizes the activation first); bf16/fp32 weights are plain products.
+    FP8/FP4 weights stay quantized and run the kernel backend's block-scaled GEMM (which quantizes
+    the activation first); bf16/fp32 weights are plain products.
     """
 
-    def __init__(self, weight: torch.Tensor, batch_invariant: bool, scales: torch.Tensor | None = None):
-        self.weight = weight  # [out, in]: bf16/fp32 values, or fp32 e4m3/e2m1 values when scales is set
-        self.scales = scales  # [out, in / 32] fp32 powers of two, for quantized weights
+    def __init__(self, weight: torch.Tensor | QuantizedWeight, kernels: KernelBackend, batch_invariant: bool):
+        self.weight = weight
+        self.kernels = kernels
         self.batch_invariant = batch_invariant
 
     @property
     def out_features(self) -> int:
-        return self.weight.shape[0]
+        return self.weight.out_features if isinstance(self.weight, QuantizedWeight) else self.weight.shape[0]
 
     def to(self, device) -> "Linear":
         self.weight = self.weight.to(device)
-        if self.scales is not None:
-            self.scales = self.scales.to(device)
         return self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scales is not None:
-            return block_scaled_linear(x, self.weight, self.scales, self.batch_invariant)
+        if isinstance(self.weight, QuantizedWeight):
+            return self.kernels.quantized_linear(x, self.weight)
         return dense_linear(x, self.weight, self.batch_invariant)
 
 

@@ -3,15 +3,18 @@
 Reads ``config.json``, the safetensors weights (one file, or shards listed in
 ``model.safetensors.index.json``) and the Engram token map, checks every tensor against
 ``weight_spec.checkpoint_tensors`` (clear errors for a missing tensor, a wrong shape or dtype),
-skips the vision tower and the DSpark draft head with a log line, and converts the weights to what
-the reference computes with: FP8/FP4 weights dequantized exactly (e4m3/e2m1 times power-of-two
-scales fit bf16), ``head`` and the ratio-2 compressor weights promoted to fp32.
+skips the vision tower and the DSpark draft head with a log line, and builds the modules. FP8/FP4
+weights stay in their storage formats (``kernels.QuantizedWeight``; the routed experts of a layer
+are stacked into one tensor per projection); ``head`` and the ratio-2 compressor weights, which the
+reference multiplies in fp32, are promoted to fp32 (not the head: see ``KernelBackend.logits``). ``load_format="dummy"`` takes random weights
+made on the device instead of the files (``dummy_weights.py``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -19,14 +22,14 @@ from safetensors import safe_open
 
 from .attention import Attention, AttentionWeights
 from .compressor import Compressor
-from .config import V41Config
+from .config import V41Config, WeightFormat
 from .engram import Engram, NgramHasher
 from .engram_token_map import build_compressed_token_map, load_token_map
 from .indexer import Indexer
+from .kernels import ExpertWeights, KernelBackend, QuantizedWeight, make_backend, stack_quantized
 from .layers import Linear
 from .mhc import HyperConnection
-from .moe import MoE, Expert, Router
-from .quant import dequantize_fp8_rows, dequantize_fp8_weight, fp4_weight_operands, fp8_weight_operands
+from .moe import MoE, Router, SharedExpert
 from .transformer import Block, ModelOptions, V41Model
 from .weight_spec import checkpoint_tensors, is_ignored
 
@@ -132,41 +135,48 @@ def load_engram_token_map(path: Path, cfg: V41Config) -> tuple[list[int], int, i
 class _Builder:
     """Turns checkpoint tensors into the model's modules, one converter per storage format."""
 
-    def __init__(self, cfg: V41Config, reader: CheckpointReader, options: ModelOptions, expert_range: range):
+    def __init__(self, cfg: V41Config, reader: CheckpointReader, options: ModelOptions, expert_range: range,
+                 kernels: KernelBackend):
         self.cfg, self.reader, self.options = cfg, reader, options
         self.expert_range = expert_range  # the routed experts this rank holds
         self.bi = options.batch_invariant
+        self.kernels = kernels
 
     def t(self, name: str) -> torch.Tensor:
         # A fresh allocation: tensors read straight from the file can sit at any byte offset, and
         # CPU GEMM kernels round differently for differently aligned operands.
         return self.reader.get(name).clone()
 
-    def dequantized(self, name: str) -> torch.Tensor:
-        """bf16 values of a weight the reference holds dequantized (wo_a): exact for FP8 x 2^k."""
+    def weight(self, name: str) -> QuantizedWeight | torch.Tensor:
+        """A projection's weight as stored: FP8/FP4 with its scales, or a plain bf16 tensor."""
         weight = self.t(f"{name}.weight")
         if weight.dtype == torch.float8_e4m3fn:
-            return dequantize_fp8_weight(weight, self.t(f"{name}.scale"))
+            return QuantizedWeight(weight, self.t(f"{name}.scale"), WeightFormat.FP8)
+        if weight.dtype == torch.int8:
+            return QuantizedWeight(weight, self.t(f"{name}.scale"), WeightFormat.FP4)
         return weight
 
     def linear(self, name: str) -> Linear:
-        """A projection as stored: FP8 and FP4 weights run the block-scaled GEMM."""
-        weight = self.t(f"{name}.weight")
-        if weight.dtype == torch.float8_e4m3fn:
-            values, scales = fp8_weight_operands(weight, self.t(f"{name}.scale"))
-            return Linear(values, self.bi, scales)
-        if weight.dtype == torch.int8:
-            values, scales = fp4_weight_operands(weight, self.t(f"{name}.scale"))
-            return Linear(values, self.bi, scales)
-        return Linear(weight, self.bi)
+        return Linear(self.weight(name), self.kernels, self.bi)
 
     def plain(self, name: str, dtype: torch.dtype | None = None) -> Linear:
         weight = self.t(f"{name}.weight")
-        return Linear(weight if dtype is None else weight.to(dtype), self.bi)
+        return Linear(weight if dtype is None else weight.to(dtype), self.kernels, self.bi)
 
-    def expert(self, prefix: str) -> Expert:
-        return Expert(self.linear(f"{prefix}.w1"), self.linear(f"{prefix}.w2"), self.linear(f"{prefix}.w3"),
-                      self.cfg.swiglu_limit)
+    def experts(self, prefix: str, device) -> ExpertWeights:
+        """This rank's routed experts, each projection stacked over experts and moved to ``device``."""
+        stacks = []
+        for proj in ("w1", "w3", "w2"):
+            parts = [self.weight(f"{prefix}.{e}.{proj}") for e in self.expert_range]
+            stacked = stack_quantized(parts) if isinstance(parts[0], QuantizedWeight) else torch.stack(parts)
+            del parts
+            stacks.append(stacked.to(device))
+        w1, w3, w2 = stacks
+        return ExpertWeights(w1, w3, w2, self.expert_range.start, self.cfg.swiglu_limit)
+
+    def shared_expert(self, prefix: str) -> SharedExpert:
+        return SharedExpert(self.linear(f"{prefix}.w1"), self.linear(f"{prefix}.w2"), self.linear(f"{prefix}.w3"),
+                            self.cfg.swiglu_limit)
 
     def block(self, layer: int, device) -> Block:
         cfg, p = self.cfg, f"layers.{layer}."
@@ -189,22 +199,21 @@ class _Builder:
                               cfg.candidate_topk_blocks, cfg.candidate_block_size, self.bi)
         weights = AttentionWeights(
             wq_a=self.linear(a + "wq_a"), q_norm=self.t(a + "q_norm.weight"), wq_b=self.linear(a + "wq_b"),
-            wkv=self.linear(a + "wkv"), kv_norm=self.t(a + "kv_norm.weight"), wo_a=self.dequantized(a + "wo_a"),
+            wkv=self.linear(a + "wkv"), kv_norm=self.t(a + "kv_norm.weight"), wo_a=self.weight(a + "wo_a"),
             wo_b=self.linear(a + "wo_b"), sink=self.t(a + "attn_sink").float())
-        attention = Attention(cfg, role, weights, compressor, indexer, self.bi, self.options.reference_layout)
+        attention = Attention(cfg, role, weights, compressor, indexer, self.kernels, self.options.reference_layout)
         f = p + "ffn."
         router = Router(self.t(f + "gate.weight").float(), self.t(f + "gate.bias").float(),
                         cfg.num_experts_per_token, cfg.scoring_func, cfg.norm_topk_prob,
                         cfg.routed_scaling_factor, cfg.gate_temperature, self.bi)
-        experts = {e: self.expert(f"{f}experts.{e}") for e in self.expert_range}
-        moe = MoE(router, experts, self.expert(f + "shared_experts"), cfg.num_routed_experts)
+        moe = MoE(router, self.experts(f + "experts", device), self.shared_expert(f + "shared_experts"),
+                  cfg.num_routed_experts, self.kernels)
         engram = None
         if role.has_engram:
             e = p + "engram."
             table = self.t(e + "embed.weight")
-            if table.dtype == torch.float8_e4m3fn:
-                table = dequantize_fp8_rows(table, self.t(e + "embed.scale"))
-            engram = Engram(table, self.linear(e + "wkv"), self.t(e + "q_weight"), self.t(e + "k_weight"),
+            table_scale = self.t(e + "embed.scale") if table.dtype == torch.float8_e4m3fn else None
+            engram = Engram(table, table_scale, self.linear(e + "wkv"), self.t(e + "q_weight"), self.t(e + "k_weight"),
                             cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps)
 
         def hc(sub: str) -> HyperConnection:
@@ -217,18 +226,81 @@ class _Builder:
 
 
 def load_model(path: str | Path, options: ModelOptions | None = None, device: str | torch.device = "cpu",
-               expert_range: range | None = None) -> V41Model:
-    """Load a checkpoint directory. ``expert_range``: the routed experts this rank holds (all by default)."""
+               expert_range: range | None = None, load_format: str = "auto") -> V41Model:
+    """Load a checkpoint directory. ``expert_range``: the routed experts this rank holds (all by default).
+
+    ``load_format="dummy"``: random weights in their storage formats, made on ``device``; the
+    directory needs only ``config.json`` and a tokenizer (Engram tables may be shrunk: logged)."""
     path = Path(path)
     options = options or ModelOptions()
     cfg = V41Config.from_pretrained(path)
-    reader = CheckpointReader(path)
+    if load_format == "dummy":
+        from .dummy_weights import DummyCheckpointReader
+        from .presets import shrink_engram_config
+
+        cfg = shrink_engram_config(cfg)  # the hasher and the tables must agree on the (smaller) sizes
+        reader = DummyCheckpointReader(cfg, device, path=str(path))
+    elif load_format == "auto":
+        reader = CheckpointReader(path)
+    else:
+        raise ValueError(f"unknown load format {load_format!r}; available: auto, dummy")
     validate_checkpoint(cfg, reader)
-    builder = _Builder(cfg, reader, options, expert_range or range(cfg.num_routed_experts))
+    kernels = make_backend(options.kernels, options.batch_invariant)
+    builder = _Builder(cfg, reader, options, expert_range or range(cfg.num_routed_experts), kernels)
     hasher = None
     if cfg.engram_layer_ids:
         lookup, size, pad = load_engram_token_map(path, cfg)
         hasher = NgramHasher.build(cfg, lookup, size, pad).to(device)
     blocks = [builder.block(layer, device) for layer in range(cfg.num_layers)]
-    return V41Model(cfg, options, builder.t("embed.weight").to(device), blocks,
-                    builder.t("norm.weight").to(device), builder.t("head.weight").float().to(device), hasher)
+    model = V41Model(cfg, options, builder.t("embed.weight").to(device), blocks,
+                     builder.t("norm.weight").to(device), builder.t("head.weight").to(device), hasher, kernels)
+    held, stored = held_weight_bytes(model), checkpoint_bytes(cfg, builder.expert_range)
+    log.info("weights: %.2f GiB held on %s for %.2f GiB of checkpoint tensors (%+.1f%%: fp32 copies of the small "
+             "bf16 weights the reference multiplies in fp32, rope tables); kernels: %s", held / 2**30, device,
+             stored / 2**30, 100.0 * (held - stored) / stored, kernels.name)
+    return model
+
+
+_DTYPE_BYTES = {"BF16": 2, "F32": 4, "F16": 2, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1}
+
+
+def checkpoint_bytes(cfg: V41Config, expert_range: range) -> int:
+    """Bytes of the checkpoint tensors a rank holding ``expert_range`` loads."""
+    total = 0
+    for name, spec in checkpoint_tensors(cfg).items():
+        if ".ffn.experts." in name and int(name.split(".ffn.experts.")[1].split(".")[0]) not in expert_range:
+            continue
+        total += math.prod(spec.shape) * _DTYPE_BYTES[spec.dtype]
+    return total
+
+
+def held_weight_bytes(model: V41Model) -> int:
+    """Bytes of every tensor the model's modules hold (each storage counted once)."""
+    from .kernels import QuantizedWeight
+
+    storages: dict[int, int] = {}
+    visited: set[int] = set()
+
+    def visit(obj) -> None:
+        if id(obj) in visited:
+            return
+        visited.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storages[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+        elif isinstance(obj, QuantizedWeight):
+            visit(obj.values)
+            visit(obj.scales)
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                visit(item)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                visit(item)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, (V41Config, type)):
+            for value in vars(obj).values():
+                visit(value)
+
+    visit(model.blocks)
+    for tensor in (model.embed, model.final_norm, model.head):
+        visit(tensor)
+    return sum(storages.values())

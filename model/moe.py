@@ -14,37 +14,36 @@ so the final sum happens in the same order on every configuration.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from .gemm import dense_linear
+from .kernels import ExpertWeights, KernelBackend
 from .layers import Linear
 
 
 @dataclass
-class Expert:
+class SharedExpert:
+    """The always-on expert: a clamped SwiGLU over dense (FP8) projections, no routing weight."""
+
     w1: Linear  # gate projection
     w2: Linear  # down projection
     w3: Linear  # up projection
     swiglu_limit: float
 
-    def to(self, device) -> "Expert":
+    def to(self, device) -> "SharedExpert":
         for lin in (self.w1, self.w2, self.w3):
             lin.to(device)
         return self
 
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.w1(x).float()
         up = self.w3(x).float()
         if self.swiglu_limit > 0:
             up = torch.clamp(up, min=-self.swiglu_limit, max=self.swiglu_limit)
             gate = torch.clamp(gate, max=self.swiglu_limit)
-        hidden = F.silu(gate) * up
-        if weights is not None:
-            hidden = weights * hidden
-        return self.w2(hidden.to(x.dtype))
+        return self.w2((F.silu(gate) * up).to(x.dtype))
 
 
 @dataclass
@@ -79,48 +78,39 @@ class Router:
         return weights, indices
 
 
-# (tokens [n, D], routing weights [n, 1]) -> outputs [n, D] of one expert
-ExpertFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
 class MoE:
-    def __init__(self, router: Router, experts: dict[int, Expert], shared: Expert, num_experts: int):
+    def __init__(self, router: Router, experts: ExpertWeights, shared: SharedExpert, num_experts: int,
+                 kernels: KernelBackend):
         self.router, self.experts, self.shared, self.num_experts = router, experts, shared, num_experts
+        self.kernels = kernels
         # set by an expert-parallel runtime: computes routed outputs across ranks
         self.dispatcher = None
 
     def to(self, device) -> "MoE":
         self.router.to(device)
         self.shared.to(device)
-        for expert in self.experts.values():
-            expert.to(device)
+        self.experts.to(device)
         return self
 
-    def run_local_expert(self, expert_id: int, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return self.experts[expert_id](x, weights)
+    def local_expert_outputs(self, x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.Tensor,
+                             pair_weight: torch.Tensor) -> torch.Tensor:
+        """Outputs ``[P, D]`` of (token, expert) pairs whose experts this rank holds (global ids);
+        rows of other ranks' pairs stay zero."""
+        local = pair_expert - self.experts.first_expert
+        return self.kernels.expert_outputs(x, pair_token, local, pair_weight.float(), self.experts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, indices = self.router(x)
         if self.dispatcher is not None:
             routed = self.dispatcher(self, x, weights, indices)
         else:
-            routed = routed_outputs(x, weights, indices, self.run_local_expert, self.num_experts)
+            n, k = indices.shape
+            pair_token = torch.arange(n * k, device=x.device) // k
+            routed = self.local_expert_outputs(x, pair_token, indices.reshape(-1), weights.reshape(-1))
+            routed = routed.view(n, k, -1)
         y = combine_routed(routed, indices)
         y += self.shared(x)
         return y.to(x.dtype)
-
-
-def routed_outputs(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, run: ExpertFn,
-                   num_experts: int) -> torch.Tensor:
-    """Output of every (token, slot) pair [N, k, D] (bf16), one expert at a time."""
-    out = torch.zeros(*indices.shape, x.shape[-1], dtype=x.dtype, device=x.device)
-    counts = torch.bincount(indices.flatten(), minlength=num_experts).tolist()
-    for expert_id, count in enumerate(counts):
-        if count == 0:
-            continue
-        tok, slot = torch.where(indices == expert_id)
-        out[tok, slot] = run(expert_id, x[tok], weights[tok, slot, None])
-    return out
 
 
 def combine_routed(routed: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

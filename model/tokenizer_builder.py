@@ -2,9 +2,12 @@
 
 A generated checkpoint must be served end to end (chat template, stop on eos, detokenize), so it
 gets a real tokenizer instead of a stand-in: byte-level BPE, like DeepSeek's own, trained on the
-small original corpus in ``model/data/corpus.txt`` to exactly the preset's vocabulary size.
-Training is deterministic (same corpus and size -> byte-identical ``tokenizer.json``), which keeps
-the default model's cache key meaningful and tests reproducible.
+small original corpus in ``model/data/corpus.txt``, to exactly the preset's vocabulary size. The
+corpus yields about 2.2k tokens; a preset with the real vocabulary (129280) gets the rest as
+reserved filler tokens ``<|reserved_N|>`` after the learned ones, so token ids, embedding rows and
+the Engram token map have the real model's sizes. Training is deterministic (same corpus and
+size -> byte-identical ``tokenizer.json``), which keeps the default model's cache key meaningful
+and tests reproducible.
 
 Special tokens take the first ids, in this order: bos 0, eos 1, pad 2, ``<｜User｜>`` 3,
 ``<｜Assistant｜>`` 4. As in DeepSeek's tokenizer, encoding with special tokens prepends bos;
@@ -18,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
@@ -28,6 +31,7 @@ ASSISTANT_TOKEN = "<｜Assistant｜>"
 SPECIAL_TOKENS = [BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, USER_TOKEN, ASSISTANT_TOKEN]
 
 DEFAULT_CORPUS = Path(__file__).parent / "data" / "corpus.txt"
+RESERVED_TOKEN = "<|reserved_{}|>"
 
 # DeepSeek-style chat format: bos, then each turn; system text verbatim, user turns after
 # <｜User｜>, assistant turns after <｜Assistant｜> and closed by eos; a generation prompt is
@@ -64,7 +68,11 @@ def _paragraphs(text: str) -> Iterator[str]:
 
 
 def train_tokenizer(vocab_size: int = 1024, corpus_path: str | Path = DEFAULT_CORPUS) -> Tokenizer:
-    """Train a byte-level BPE tokenizer with exactly ``vocab_size`` tokens (specials included)."""
+    """Train a byte-level BPE tokenizer with exactly ``vocab_size`` tokens (specials included).
+
+    BPE learns merges as far as the corpus allows; when that falls short of ``vocab_size`` the
+    remaining ids are reserved filler tokens (see ``_add_reserved_tokens``).
+    """
     text = Path(corpus_path).read_text(encoding="utf-8")
     # Byte-level BPE never needs an unknown token: every byte is in the initial alphabet.
     tokenizer = Tokenizer(models.BPE())
@@ -78,11 +86,10 @@ def train_tokenizer(vocab_size: int = 1024, corpus_path: str | Path = DEFAULT_CO
         show_progress=False,
     )
     tokenizer.train_from_iterator(_paragraphs(text), trainer=trainer)
+    if tokenizer.get_vocab_size() < vocab_size:
+        _add_reserved_tokens(tokenizer, vocab_size - tokenizer.get_vocab_size())
     if tokenizer.get_vocab_size() != vocab_size:
-        raise ValueError(
-            f"{corpus_path} yields only {tokenizer.get_vocab_size()} tokens, {vocab_size} requested; "
-            "the corpus is too small for this vocabulary"
-        )
+        raise ValueError(f"made a {tokenizer.get_vocab_size()}-token tokenizer, {vocab_size} requested")
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
     tokenizer.post_processor = processors.Sequence(
         [
@@ -95,6 +102,17 @@ def train_tokenizer(vocab_size: int = 1024, corpus_path: str | Path = DEFAULT_CO
         ]
     )
     return tokenizer
+
+
+def _add_reserved_tokens(tokenizer: Tokenizer, count: int) -> None:
+    """Append ``count`` tokens ``<|reserved_0|>``, ``<|reserved_1|>``, ... after the learned vocabulary.
+
+    They are added tokens (matched verbatim in input text) but not special: a randomly initialised
+    model samples them most of the time, and a special token would vanish from the decoded output
+    (``skip_special_tokens``), leaving empty completions instead of visible text.
+    """
+    tokenizer.add_tokens([AddedToken(RESERVED_TOKEN.format(i), special=False, normalized=False)
+                          for i in range(count)])
 
 
 def tokenizer_config(model_max_length: int) -> dict[str, Any]:

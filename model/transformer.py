@@ -16,7 +16,7 @@ from .batch import ForwardBatch, SequenceChunk
 from .cache import V41Cache
 from .config import V41Config
 from .engram import Engram, NgramHasher
-from .gemm import dense_linear
+from .kernels import KernelBackend
 from .layers import rms_norm
 from .mhc import HyperConnection, collapse, expand, identity_pre_mix
 from .moe import MoE
@@ -35,11 +35,14 @@ class ModelOptions:
     reference_layout: list attention entries exactly as the official kernels do (prefill and decode
         differ; see attention_lists.py) instead of the packed, chunking-independent layout.
         With ``batch_invariant=False`` this reproduces the official CPU reference bit for bit.
+    kernels: the kernel backend of the quantized products, ``reference`` or ``triton``
+        (``model/kernels/``). Triton kernels are batch-invariant whatever ``batch_invariant`` says.
     """
 
     batch_invariant: bool = True
     official_index_handoff: bool = False
     reference_layout: bool = False
+    kernels: str = "reference"
 
 
 class Block:
@@ -82,8 +85,8 @@ class Block:
 
 class V41Model:
     def __init__(self, cfg: V41Config, options: ModelOptions, embed: torch.Tensor, blocks: list[Block],
-                 final_norm: torch.Tensor, head: torch.Tensor, hasher: NgramHasher | None):
-        self.cfg, self.options = cfg, options
+                 final_norm: torch.Tensor, head: torch.Tensor, hasher: NgramHasher | None, kernels: KernelBackend):
+        self.cfg, self.options, self.kernels = cfg, options, kernels
         self.embed, self.blocks, self.final_norm, self.head = embed, blocks, final_norm, head
         self.hasher = hasher
         self.device = embed.device
@@ -118,8 +121,8 @@ class V41Model:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [R, vocab] of hidden rows [R, D] (the head runs in fp32)."""
-        return dense_linear(hidden.float(), self.head, self.options.batch_invariant)
+        """fp32 logits [R, vocab] of hidden rows [R, D] (the head's products are fp32's)."""
+        return self.kernels.logits(hidden, self.head)
 
     # ------------------------------------------------------------------ index-key sources
     def _index_key_layers(self, batch: ForwardBatch) -> dict[int, list[int]]:

@@ -18,14 +18,18 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 # Idle OpenMP threads sleep instead of spinning. Must be set before torch loads libgomp: with the
 # default (active) policy, 2 intra-op threads on 2 cores of which one is busy (the background
 # parity run, or any other process) make every parallel region wait for a time slice -- a 20-token
 # prefill took 17 s instead of 0.2 s. Only speed is affected, never results.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Without a GPU, Triton kernels run in Triton's interpreter (tiny shapes only). Must be set before
+# triton is imported. A machine without nvidia-smi is taken as one without a GPU.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402

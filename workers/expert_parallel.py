@@ -3,8 +3,8 @@ ranks owning their experts and the expert outputs travel back, through torch.dis
 all-to-all (gloo on CPU, NCCL on GPU).
 
 Per MoE layer and step: every (token, slot) pair is sent to the owner of its expert together with
-its routing weight; each rank runs its experts on what it received (one expert at a time, in
-increasing id) and returns the outputs, which land back in the sender's ``[tokens, k, D]`` tensor.
+its routing weight; each rank runs its experts on what it received (through the kernel backend's
+``expert_outputs``) and returns the outputs, which land back in the sender's ``[tokens, k, D]`` tensor.
 The sender then sums them in increasing expert id, exactly as a single rank would, so the result
 does not depend on the number of ranks (given row-independent GEMMs: batch-invariant mode).
 Every rank takes part in every call, with zero rows when it has no tokens (placeholder steps).
@@ -49,11 +49,7 @@ class ExpertParallelDispatcher:
         rows = _exchange(x[pair_token], send, recv, self.group)
         experts = _exchange(flat_expert[order], send, recv, self.group)
         gates = _exchange(weights.reshape(-1)[order].float(), send, recv, self.group)
-        outputs = torch.zeros_like(rows)
-        for expert_id in self.expert_range():
-            mine = torch.nonzero(experts == expert_id).squeeze(1)
-            if mine.numel():
-                outputs[mine] = moe.run_local_expert(expert_id, rows[mine], gates[mine].unsqueeze(-1))
+        outputs = moe.local_expert_outputs(rows, torch.arange(rows.shape[0], device=rows.device), experts, gates)
         returned = _exchange(outputs, recv, send, self.group)
         routed = torch.zeros(n * k, d, dtype=x.dtype, device=x.device)
         routed[order] = returned

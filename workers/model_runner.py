@@ -48,9 +48,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             torch.set_num_threads(config.cpu_threads)
         options = ModelOptions(batch_invariant=config.resolved_batch_invariant,
-                               official_index_handoff=config.official_index_handoff)
+                               official_index_handoff=config.official_index_handoff, kernels=config.resolved_kernels)
         expert_range = expert_parallel.expert_range() if expert_parallel is not None else None
-        self.model: V41Model = load_model(config.model, options, self.device, expert_range)
+        self.model: V41Model = load_model(config.model, options, self.device, expert_range, config.load_format)
         self.cfg = self.model.cfg
         # under expert parallelism every rank joins every MoE all-to-all, with or without tokens
         self.always_run_forward = expert_parallel is not None

@@ -1,0 +1,239 @@
+"""Decode throughput of the offline engine, next to the limit of the hardware it runs on.
+
+    python benchmarks/decode.py --preset v41-flash-L8 --kernels triton,reference --batch 1,8,32,128,256
+
+Runs the in-process engine (``frontend.llm.LLM``) with ``--load-format dummy`` weights (random, in
+their storage formats, made on the device) on a config-only model directory written from a preset
+(or ``--model DIR``). For every kernel backend and batch size: ``batch`` token-id prompts of
+``--context`` tokens, greedy, ``ignore_eos``. Once every sequence is decoding, ``--steps`` engine
+steps are timed one by one (host clock, device synchronized after each) and the median is the step
+time, so prefill and warm-up stay outside it; the first batch is run once more before, untimed
+(compilation, allocator).
+
+The limit of a step is what the device must at least do: read every weight the step touches once
+(the dense weights, the head and the expected number of distinct routed experts hit by
+``batch * top_k`` uniformly routed pairs, in their checkpoint formats) plus the KV entries it
+attends to, at the bandwidth measured here with a large device copy; and the step's matrix FLOPs at
+the bf16 tensor-core rate measured here. ``limit = max(bytes / bandwidth, flops / peak)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine_core.protocol import SamplingParams  # noqa: E402
+from frontend.llm import LLM  # noqa: E402
+from model.config import V41Config  # noqa: E402
+from model.loader import checkpoint_bytes, held_weight_bytes  # noqa: E402
+from model.weight_spec import checkpoint_tensors  # noqa: E402
+
+_BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1}
+
+
+def measure_bandwidth(device: str) -> float:
+    """Bytes per second of a 2 GiB device-to-device copy (read + write counted)."""
+    n = 1 << 30
+    src, dst = torch.empty(n, dtype=torch.uint8, device=device).random_(), torch.empty(n, dtype=torch.uint8, device=device)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * n * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def measure_bf16_peak(device: str) -> float:
+    n = 8192
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * n**3 * 20 / (start.elapsed_time(end) / 1e3)
+
+
+def step_cost(cfg: V41Config, batch: int, context: int) -> tuple[float, float]:
+    """(bytes, FLOPs) a decode step of ``batch`` sequences at ``context`` tokens must at least move/do."""
+    dense_bytes = expert_bytes = 0
+    dense_params = 0
+    for name, spec in checkpoint_tensors(cfg).items():
+        size = math.prod(spec.shape) * _BYTES[spec.dtype]
+        if ".ffn.experts." in name:
+            expert_bytes += size
+        elif "engram.embed" in name or name == "embed.weight":
+            continue  # only gathered rows are read
+        else:
+            dense_bytes += size
+            if spec.dtype != "F8_E8M0" and len(spec.shape) == 2:
+                dense_params += math.prod(spec.shape) * (2 if spec.dtype == "I8" else 1)
+    experts, top_k = cfg.num_routed_experts, cfg.num_experts_per_token
+    hit = experts * (1 - (1 - top_k / experts) ** batch)  # expected distinct experts per layer
+    touched_expert_bytes = expert_bytes * hit / experts
+    # KV read per sequence: the window ring of every layer, the selected compressed entries of
+    # every compressed layer, and the index keys an indexer layer scores (bf16 values today)
+    kv = 0
+    for role in cfg.roles:
+        kv += min(context, cfg.sliding_window) * cfg.head_dim * 2
+        if role.compress_ratio:
+            entries = context // role.compress_ratio
+            kv += min(entries, cfg.index_topk) * cfg.head_dim * 2
+            if role.runs_indexer:
+                kv += entries * cfg.index_head_dim * 2
+    engram_rows = len(cfg.engram_layer_ids) * cfg.num_hash_columns * cfg.engram_head_dim * batch
+    total_bytes = dense_bytes + touched_expert_bytes + kv * batch + engram_rows
+    inter, d = cfg.moe_intermediate_size, cfg.hidden_size
+    flops = 2 * batch * (dense_params + cfg.num_layers * top_k * 3 * inter * d)
+    return total_bytes, flops
+
+
+def decode_step_times(llm: LLM, prompts: list[list[int]], steps: int, around_steps=None) -> tuple[float, float]:
+    """(prefill seconds, median seconds of a decode step over ``steps`` steady-state steps).
+
+    ``around_steps``: a context manager entered around the timed steps only (a profiler)."""
+    from engine_core.protocol import AddRequest
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    ids = [f"bench-{next(llm._ids)}" for _ in prompts]
+    produced = dict.fromkeys(ids, 0)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(AddRequest(request_id, prompt, params))
+    while min(produced.values()) < 2:  # every prompt prefilled and decoding
+        for out in engine.step():
+            produced[out.request_id] += len(out.new_token_ids)
+    torch.cuda.synchronize()
+    prefill = time.perf_counter() - start
+    times = []
+    with around_steps if around_steps is not None else contextlib.nullcontext():
+        for _ in range(steps):
+            start = time.perf_counter()
+            for out in engine.step():
+                produced[out.request_id] += len(out.new_token_ids)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    while engine.has_work:
+        engine.step()
+    times.sort()
+    return prefill, times[len(times) // 2]
+
+
+def profile_steps(llm: LLM, prompts: list[list[int]], out_path: str) -> None:
+    """Where a decode step's time goes: device kernels by total time, and the host's share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    decode_step_times(llm, prompts, 4, around_steps=prof)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    Path(out_path).write_text(table)
+    print(table[:6000], flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="model directory (config.json + tokenizer); default: written from --preset")
+    parser.add_argument("--preset", default="v41-flash-L8")
+    parser.add_argument("--kernels", default="triton,triton-bi,reference",
+                        help="backends to run; a -bi suffix turns --batch-invariant on for that run")
+    parser.add_argument("--batch", default="1,8,32,128,256")
+    parser.add_argument("--context", type=int, default=64, help="prompt tokens per sequence")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps timed per batch")
+    parser.add_argument("--reference-max-batch", type=int, default=8,
+                        help="largest batch run with the reference kernels (they are slow)")
+    parser.add_argument("--reference-steps", type=int, default=2)
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--profile-batch", type=int, default=0,
+                        help="profile a few decode steps of the first backend at this batch (torch.profiler)")
+    parser.add_argument("--profile-out", default="decode_profile.txt")
+    args = parser.parse_args()
+    device = "cuda"
+    if args.model is None:
+        from model.checkpoint_maker import make_checkpoint
+
+        args.model = str(make_checkpoint(Path(tempfile.mkdtemp()) / args.preset, preset=args.preset, config_only=True))
+    cfg = V41Config.from_pretrained(Path(args.model))
+    bandwidth, peak = measure_bandwidth(device), measure_bf16_peak(device)
+    gpu = torch.cuda.get_device_name()
+    print(f"# {gpu}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s; "
+          f"torch {torch.__version__}; model {args.model}", flush=True)
+    batches = [int(b) for b in args.batch.split(",")]
+    rows = []
+    for variant in args.kernels.split(","):
+        kernels, batch_invariant = variant.removesuffix("-bi"), variant.endswith("-bi")
+        runnable = [b for b in batches if kernels != "reference" or b <= args.reference_max_batch]
+        if not runnable:
+            continue
+        steps = args.steps if kernels != "reference" else args.reference_steps
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        started = time.perf_counter()
+        llm = LLM(args.model, device=device, kernels=kernels, batch_invariant=batch_invariant, load_format="dummy",
+                  max_num_seqs=max(runnable),
+                  max_num_batched_tokens=max(2048, args.context * 8), max_model_len=args.context + steps + 8,
+                  gpu_memory_utilization=0.85)
+        load_s = time.perf_counter() - started
+        runner = llm.engine.executor.runner
+        allocated_gib = (torch.cuda.memory_allocated() - before) / 2**30
+        held_gib = held_weight_bytes(runner.model) / 2**30
+        expected_gib = checkpoint_bytes(runner.cfg, range(runner.cfg.num_routed_experts)) / 2**30
+        print(f"# {variant}: engine ready in {load_s:.1f} s; weights held {held_gib:.2f} GiB for {expected_gib:.2f} "
+              f"GiB of checkpoint tensors ({100 * (held_gib / expected_gib - 1):+.1f}%); GPU memory allocated "
+              f"{allocated_gib:.1f} GiB with the caches", flush=True)
+        for i, batch in enumerate(runnable):
+            prompts = [[(s * 7919 + t * 104729) % (cfg.vocab_size - 10) + 5 for t in range(args.context)]
+                       for s in range(batch)]
+            if i == 0:
+                decode_step_times(llm, prompts, 2)  # warm-up: compilation, allocator
+            prefill, step = decode_step_times(llm, prompts, steps)
+            nbytes, flops = step_cost(cfg, batch, args.context)
+            limit = max(nbytes / bandwidth, flops / peak)
+            row = dict(kernels=variant, batch=batch, context=args.context, step_ms=step * 1e3,
+                       prefill_tokens_per_s=batch * args.context / prefill,
+                       tokens_per_s=batch / step, limit_ms=limit * 1e3, pct_of_limit=100 * limit / step,
+                       bytes_per_step_gb=nbytes / 1e9, prefill_s=prefill, weights_gib=held_gib,
+                       checkpoint_gib=expected_gib)
+            rows.append(row)
+            if batch == args.profile_batch and variant == args.kernels.split(",")[0]:
+                profile_steps(llm, prompts, args.profile_out)
+            print(f"{variant:10s} batch {batch:4d}: step {step * 1e3:8.2f} ms, {batch / step:8.1f} tok/s, "
+                  f"limit {limit * 1e3:6.3f} ms ({100 * limit / step:5.1f}% of it), "
+                  f"{nbytes / 1e9:.2f} GB/step", flush=True)
+        del llm, runner
+        gc.collect()
+        torch.cuda.empty_cache()
+    print("\n| kernels | batch | step (ms) | tokens/s | limit (ms) | % of limit |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['kernels']} | {r['batch']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.1f} | "
+              f"{r['limit_ms']:.3f} | {r['pct_of_limit']:.1f}% |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(gpu=gpu, bandwidth=bandwidth, bf16_peak=peak, rows=rows),
+                                              indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

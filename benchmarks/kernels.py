@@ -1,0 +1,1005 @@
+"""The quantized kernels at DeepSeek-V4.1-Flash's shapes, against the reference, plain torch and the hardware.
+
+Run (from the repository root, on a CUDA machine)::
+
+    .venv/bin/python benchmarks/kernels.py                          # M = 1,8,64,256,4096,16384
+    .venv/bin/python benchmarks/kernels.py --quick                  # M = 1,64,4096, shorter timings
+    .venv/bin/python benchmarks/kernels.py --m 1,64 --json out.json
+    .venv/bin/python benchmarks/kernels.py --tune                   # + tile-config sweep at decode M
+    TRITON_INTERPRET=1 .venv/bin/python benchmarks/kernels.py --device cpu --tiny   # logic check only
+
+What one layer of V4.1-Flash multiplies (hidden 5120, 64 heads x 512, q_lora 1280, 8 output
+groups x 1024, indexer 32 heads x 128, 384 routed experts top-6 with intermediate 2304):
+
+* FP8 linears (e4m3, UE8M0 scale per 32x32 tile; activation FP8-quantized per 32):
+  ``wq_a [1280, 5120]``, ``wq_b [32768, 1280]``, ``wkv [512, 5120]``, ``wo_b [5120, 8192]``,
+  ``indexer.wq_b [4096, 1280]``, shared expert ``w1``/``w3 [2304, 5120]``, ``w2 [5120, 2304]``;
+  and the grouped ``wo_a`` (8 groups x ``[1024, 4096]``, bf16 activation, not quantized);
+* the FP4 routed experts (packed e2m1, UE8M0 scale per row per 32): ``w1``/``w3 [384, 2304, 5120]``,
+  ``w2 [384, 5120, 2304]``, every token routed to 6 distinct uniformly random experts.
+
+For every (kernel, M) the script reports the time of
+
+* ``triton``: the Triton backend (``TritonKernels``), what the engine runs on CUDA;
+* ``reference``: ``ReferenceKernels(batch_invariant=False)``, the arithmetic proven equal to
+  DeepSeek's reference ("-" where it would take too long or too much memory);
+* ``torch``: what a reader would write: ``QuantizedWeight.dequantized()`` to bf16, then ``F.linear``
+  (for the experts, a loop over the experts the routing hits); the dequantization is timed too;
+
+and the hardware limit of the call: the bytes it must move (weights and scales it touches, for the
+experts only those the routing hits; activations in and out) over the HBM bandwidth, and its FLOPs
+over the bf16 tensor-core peak, both measured in the same run (a 4 GiB device-to-device copy,
+bytes read plus written; an 8192^3 bf16 ``torch.matmul``). The limit is the larger of the two;
+``% of limit`` = limit / measured time. The kernels expand weights to bf16 and multiply on the
+tensor cores in bf16, so the bf16 peak is the one used; the FP8 peak (``torch._scaled_mm``) is
+printed for context only.
+
+Timing: median of per-call CUDA-event times, after warm-up. Each call rotates among several input
+sets and among enough distinct copies of its weight (>= 256 MB and >= 4x the L2 cache together)
+that no call finds its weight in L2. Before each chunk of timed calls the stream is held by a short
+device-side sleep long enough for the host to queue the whole chunk, so launch gaps are not counted:
+the times are device times, for all three backends (calls that read a value back to the host, the
+expert loops of the reference and of plain torch, are timed as they run, host included). The FP8
+linears of a whole layer are also captured in one CUDA graph (several layer instances, distinct
+weight copies) and replayed: the time a decode step spends in them, against the layer's memory limit.
+
+Correctness: every Triton result is compared with the reference's at the same shape (max abs
+difference over max |reference|); where the reference is skipped, with the reference on a subset
+of the rows (the Triton kernels are batch invariant, so a row's result does not depend on M). The
+script stops with exit status 1 if any difference exceeds 1e-2 or any output is not finite.
+
+``--tune`` sweeps tile configs (BLOCK_M 64, BLOCK_N 16..128, 3-5 stages, 4 warps; BLOCK_N >= 32 for
+the experts, whose epilogue quantizes groups of 32 columns) for the GEMMs and the experts at the
+decode M values, by overriding ``model.kernels.tile_configs._GEMM_TABLE`` /
+``_MOE_TABLE`` for the duration of each measurement, and prints the best config per (kernel, M).
+Every config keeps BLOCK_M >= 64 and a multiple of 4 warps (what batch invariance needs); each
+one's output is compared bit for bit with the default config's.
+
+Progress goes to stderr; the markdown tables are printed last on stdout; ``--json PATH`` writes
+every number. ``--device cpu`` (with ``--tiny``) sets TRITON_INTERPRET=1 itself when it is unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+MAX_REL_ERR = 1e-2
+DECODE_MAX_M = 256
+MB = 1 << 20
+GB = 1e9
+
+# Set by _import_kernels() once the device (and so TRITON_INTERPRET) is known.
+triton = None
+tile_configs = None
+QuantizedWeight = ExpertWeights = WeightFormat = TileConfig = None
+ReferenceKernels = TritonKernels = None
+quantize_fp8 = None
+GAINS: dict[str, float] = {}
+FP4_SCALE_DIVISOR = 3.2
+
+
+def _import_kernels() -> None:
+    global triton, tile_configs, QuantizedWeight, ExpertWeights, WeightFormat, TileConfig
+    global ReferenceKernels, TritonKernels, quantize_fp8, GAINS, FP4_SCALE_DIVISOR
+    import triton as _triton
+
+    from model import checkpoint_maker
+    from model.config import WeightFormat as _WeightFormat
+    from model.kernels import tile_configs as _tile_configs
+    from model.kernels.reference import ReferenceKernels as _ReferenceKernels
+    from model.kernels.triton_backend import TritonKernels as _TritonKernels
+    from model.kernels.weights import ExpertWeights as _ExpertWeights
+    from model.kernels.weights import QuantizedWeight as _QuantizedWeight
+
+    triton, tile_configs = _triton, _tile_configs
+    QuantizedWeight, ExpertWeights, WeightFormat = _QuantizedWeight, _ExpertWeights, _WeightFormat
+    TileConfig = _tile_configs.TileConfig
+    ReferenceKernels, TritonKernels = _ReferenceKernels, _TritonKernels
+    quantize_fp8 = checkpoint_maker.quantize_fp8
+    GAINS = dict(checkpoint_maker.GAINS)
+    FP4_SCALE_DIVISOR = float(checkpoint_maker.FP4_SCALE_DIVISOR)
+
+
+# ----------------------------------------------------------------------------------- shapes
+@dataclass(frozen=True)
+class Shapes:
+    dim: int
+    n_heads: int
+    head_dim: int
+    q_lora: int
+    o_groups: int
+    o_lora: int
+    index_heads: int
+    index_dim: int
+    experts: int
+    top_k: int
+    inter: int
+    swiglu_limit: float = 10.0
+    route_scale: float = 1.5
+
+
+FLASH = Shapes(dim=5120, n_heads=64, head_dim=512, q_lora=1280, o_groups=8, o_lora=1024, index_heads=32,
+               index_dim=128, experts=384, top_k=6, inter=2304)
+# Every width a multiple of 64 (one GEMM K step) and every N a multiple of 32 (one FP8 scale tile).
+TINY = Shapes(dim=256, n_heads=4, head_dim=64, q_lora=64, o_groups=2, o_lora=64, index_heads=4, index_dim=32,
+              experts=8, top_k=2, inter=128)
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """One FP8 projection: weight ``[groups * n, k]``; grouped: ``x [M, groups, k] -> [M, groups, n]``."""
+
+    name: str
+    n: int
+    k: int
+    gain_key: str
+    groups: int = 1
+
+    @property
+    def shape_text(self) -> str:
+        g = f"{self.groups}x" if self.groups > 1 else ""
+        return f"{g}[{self.n}, {self.k}]"
+
+
+def linear_specs(s: Shapes) -> list[LinearSpec]:
+    return [
+        LinearSpec("attn.wq_a", s.q_lora, s.dim, "wq_a"),
+        LinearSpec("attn.wq_b", s.n_heads * s.head_dim, s.q_lora, "wq_b"),
+        LinearSpec("attn.wkv", s.head_dim, s.dim, "wkv"),
+        LinearSpec("attn.wo_a (grouped)", s.o_lora, s.n_heads * s.head_dim // s.o_groups, "wo_a", s.o_groups),
+        LinearSpec("attn.wo_b", s.dim, s.o_groups * s.o_lora, "wo_b"),
+        LinearSpec("indexer.wq_b", s.index_heads * s.index_dim, s.q_lora, "wq_b"),
+        LinearSpec("shared.w1", s.inter, s.dim, "w1"),
+        LinearSpec("shared.w3", s.inter, s.dim, "w3"),
+        LinearSpec("shared.w2", s.dim, s.inter, "w2"),
+    ]
+
+
+# ----------------------------------------------------------------------------------- logging
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+class CorrectnessError(RuntimeError):
+    pass
+
+
+# ----------------------------------------------------------------------------------- timing
+@dataclass
+class Timing:
+    median_s: float
+    min_s: float
+    reps: int
+    launch_gaps: bool = False  # the head start did not cover the host: some launch gaps are timed
+
+
+class Timer:
+    """Per-call device times (CUDA events) or host times (CPU), rotating over input sets."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.cycles_per_s = 0.0
+        if self.cuda and hasattr(torch.cuda, "_sleep"):
+            torch.cuda._sleep(1000)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            cycles = 20_000_000
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            torch.cuda.synchronize()
+            ms = start.elapsed_time(end)
+            if ms > 0:
+                self.cycles_per_s = cycles / (ms / 1e3)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def measure(self, call, budget_s: float, min_reps: int, max_reps: int, warm: bool = True,
+                syncs: bool = False) -> Timing:
+        """Median time of ``call(i)`` (the i-th rotation). ``syncs``: the call waits for the device
+        itself (reads a value back), so no head start can hide its host time."""
+        if warm:
+            call(0)
+        self.sync()
+        t = time.perf_counter()
+        call(1)
+        host_s = time.perf_counter() - t  # enqueue time (the whole call if it synchronizes)
+        self.sync()
+        est = time.perf_counter() - t
+        reps = int(min(max(budget_s / max(est, 1e-7), min_reps), max_reps))
+        samples: list[float] = []
+        if est > 0.1:  # slow calls: the estimate is a fair sample, do not pay for it twice
+            samples.append(est)
+        i = 2
+        head_start = self.cuda and self.cycles_per_s > 0 and not syncs
+        max_chunk, slack, retries, gaps = 64, 1.5, 3, False
+        while len(samples) < reps:
+            left = reps - len(samples)
+            if not self.cuda:
+                for _ in range(left):
+                    t = time.perf_counter()
+                    call(i)
+                    i += 1
+                    samples.append(time.perf_counter() - t)
+                break
+            # The host queues a chunk of calls while the device sleeps, so that the device then
+            # runs them back to back and the events time the device, not the launches. If the
+            # sleep ended before the whole chunk was queued (host slower than estimated, or the
+            # launch queue full), the chunk is discarded and retried smaller with a longer sleep.
+            chunk = min(left, max_chunk, max(1, int(0.02 / max(host_s, 1e-6)))) if head_start else left
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(chunk)]
+            if head_start:
+                sleep_s = min(0.1, slack * host_s * chunk + 50e-6)
+                torch.cuda._sleep(int(self.cycles_per_s * sleep_s))
+                slept = torch.cuda.Event()
+                slept.record()
+            for start, end in events:
+                start.record()
+                call(i)
+                end.record()
+                i += 1
+            behind = head_start and slept.query()
+            torch.cuda.synchronize()
+            if behind and retries > 0:
+                retries -= 1
+                max_chunk, slack = max(1, chunk // 2), slack * 2
+                continue
+            gaps = gaps or behind
+            samples += [start.elapsed_time(end) / 1e3 for start, end in events]
+        return Timing(statistics.median(samples), min(samples), len(samples), gaps)
+
+
+# ----------------------------------------------------------------------------------- ceilings
+@dataclass
+class Ceilings:
+    bandwidth: float  # bytes/s, copy read + write
+    bf16_flops: float  # FLOP/s, torch.matmul
+    fp8_flops: float | None  # FLOP/s, torch._scaled_mm (context only)
+    copy_bytes: int
+    matmul_n: int
+    l2_bytes: int
+
+
+def measure_ceilings(device: torch.device, timer: Timer, tiny: bool, budget: float) -> Ceilings:
+    gen = torch.Generator(device=device).manual_seed(12345)
+    nbytes = (32 * MB) if tiny else (4 << 30)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    for off in range(0, nbytes, 256 * MB):
+        src[off:off + 256 * MB].random_(0, 256, generator=gen)
+    dst = torch.empty_like(src)
+    t = timer.measure(lambda i: dst.copy_(src), budget, 5, 100)
+    bandwidth = 2 * nbytes / t.median_s
+    del src, dst
+    log(f"bandwidth: {bandwidth / 1e12:.3f} TB/s (copy of {nbytes / (1 << 30):.2f} GiB, read + write, "
+        f"median of {t.reps})")
+
+    n = 256 if tiny else 8192
+    a = torch.randn(n, n, device=device, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, n, device=device, generator=gen).to(torch.bfloat16)
+    c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    t = timer.measure(lambda i: torch.matmul(a, b, out=c), budget, 5, 200)
+    bf16_flops = 2 * n ** 3 / t.median_s
+    log(f"bf16 matmul peak: {bf16_flops / 1e12:.1f} TFLOP/s ({n}^3, median of {t.reps})")
+
+    fp8_flops = None
+    if device.type == "cuda" and hasattr(torch, "_scaled_mm"):
+        try:
+            a8 = a.to(torch.float8_e4m3fn)
+            b8 = b.to(torch.float8_e4m3fn).t()  # column-major second operand
+            one = torch.ones((), device=device, dtype=torch.float32)
+            t = timer.measure(lambda i: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), budget, 5, 200)
+            fp8_flops = 2 * n ** 3 / t.median_s
+            log(f"fp8 matmul peak (context): {fp8_flops / 1e12:.1f} TFLOP/s")
+        except Exception as exc:  # not every build has it
+            log(f"fp8 peak not measured: {type(exc).__name__}: {exc}")
+    del a, b, c
+    l2 = 1 * MB if tiny else 50 * MB
+    if device.type == "cuda":
+        l2 = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", l2) or l2)
+    return Ceilings(bandwidth, bf16_flops, fp8_flops, nbytes, n, l2)
+
+
+# ----------------------------------------------------------------------------------- data
+def fp8_weight(rows: int, cols: int, gain: float, device: torch.device, gen: torch.Generator):
+    """An FP8 projection as a checkpoint holds it: normal * gain * fan_in**-0.5, quantized per 32x32 tile."""
+    w = torch.randn(rows, cols, device=device, generator=gen).mul_(gain * cols ** -0.5)
+    try:
+        values, scales = quantize_fp8(w)
+    except (RuntimeError, NotImplementedError):  # a build without fp32 -> e8m0 casts on this device
+        values, scales = quantize_fp8_bits(w)
+    return QuantizedWeight(values, scales, WeightFormat.FP8)
+
+
+def quantize_fp8_bits(w: torch.Tensor):
+    """``quantize_fp8`` (rows and columns multiples of 32) with the UE8M0 scale built from its bits."""
+    rows, cols = w.shape
+    tiles = w.float().view(rows // 32, 32, cols // 32, 32)
+    amax = tiles.abs().amax(dim=(1, 3)).clamp_min(448.0 * 2.0 ** -126)
+    bits = (amax / 448.0).view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)  # ceil(log2) + 127
+    scale = (exponent << 23).view(torch.float32)
+    values = (tiles / scale[:, None, :, None]).clamp_(-448.0, 448.0).view(rows, cols).to(torch.float8_e4m3fn)
+    return values, exponent.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def fp4_stack(experts: int, rows: int, cols: int, gain: float, device: torch.device, gen: torch.Generator):
+    """Stacked FP4 experts ``[E, rows, cols]``: uniform random packed e2m1 bytes, UE8M0 scales around
+    gain * fan_in**-0.5 / FP4_SCALE_DIVISOR (one power of two either side), made on the device."""
+    values = torch.empty(experts, rows, cols // 2, dtype=torch.int8, device=device)
+    exponents = torch.empty(experts, rows, cols // 32, dtype=torch.uint8, device=device)
+    base = 127 + round(math.log2(gain * cols ** -0.5 / FP4_SCALE_DIVISOR))
+    slab = 32  # experts per draw: every random tensor stays far below 2**31 elements
+    for e in range(0, experts, slab):
+        values[e:e + slab].random_(-128, 128, generator=gen)
+        exponents[e:e + slab].random_(base - 1, base + 2, generator=gen)
+    return QuantizedWeight(values, exponents.view(torch.float8_e8m0fnu), WeightFormat.FP4)
+
+
+def weight_copies(spec: LinearSpec, rotate_bytes: int, max_copies: int, device, gen) -> list:
+    first = fp8_weight(spec.groups * spec.n, spec.k, GAINS.get(spec.gain_key, 1.0), device, gen)
+    count = max(1, min(max_copies, math.ceil(rotate_bytes / first.nbytes)))
+    return [first] + [fp8_weight(spec.groups * spec.n, spec.k, GAINS.get(spec.gain_key, 1.0), device, gen)
+                      for _ in range(count - 1)]
+
+
+def random_routing(m: int, s: Shapes, device, gen):
+    """Per token ``top_k`` distinct uniformly random experts; weights normalised and scaled as the router does."""
+    scores = torch.rand(m, s.experts, device=device, generator=gen)
+    weights, experts = scores.topk(s.top_k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True) * s.route_scale
+    pair_token = torch.arange(m * s.top_k, device=device) // s.top_k
+    return pair_token, experts.reshape(-1), weights.reshape(-1).float().contiguous()
+
+
+def input_sets(m: int, per_row_bytes: int, decode: bool) -> int:
+    if not decode:
+        return 2
+    return max(2, min(8, math.ceil(64 * MB / max(1, m * per_row_bytes))))
+
+
+# ----------------------------------------------------------------------------------- plain torch
+def torch_linear(x, w):
+    return F.linear(x, w.dequantized())
+
+
+def torch_grouped(x, w):
+    t, g, k = x.shape
+    return torch.einsum("tgk,grk->tgr", x, w.dequantized().view(g, -1, k))
+
+
+def torch_moe(x, pair_token, pair_expert, pair_weight, experts, limit: float):
+    """A loop over the experts the routing hits: dequantize each one's weights, SwiGLU, down projection."""
+    out = torch.zeros(pair_token.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+    order = torch.argsort(pair_expert, stable=True)
+    counts = torch.bincount(pair_expert, minlength=experts.num_experts).tolist()
+    start = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        xe = x[pair_token[pairs]]
+        gate = F.linear(xe, experts.w1[e].dequantized()).float().clamp(max=limit)
+        up = F.linear(xe, experts.w3[e].dequantized()).float().clamp(-limit, limit)
+        hidden = (pair_weight[pairs, None] * F.silu(gate) * up).to(x.dtype)
+        out[pairs] = F.linear(hidden, experts.w2[e].dequantized())
+    return out
+
+
+# ----------------------------------------------------------------------------------- checks
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    if out.shape != ref.shape:
+        raise CorrectnessError(f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
+    if not bool(torch.isfinite(out).all()):
+        return float("inf")
+    scale = ref.abs().max().item()
+    return (out - ref).abs().max().item() / max(scale, 1e-30)
+
+
+def check(name: str, m: int, err: float, what: str) -> None:
+    if not (err <= MAX_REL_ERR):
+        banner = "!" * 78
+        raise CorrectnessError(f"\n{banner}\nWRONG RESULT: {name} at M={m}: max |triton - reference| / max |reference| "
+                               f"= {err:.3e} ({what}) > {MAX_REL_ERR:g}\n{banner}")
+
+
+def check_rows(m: int, count: int, device) -> torch.Tensor:
+    """Evenly spread row indices, first and last included."""
+    return torch.linspace(0, m - 1, steps=min(m, count), device=device).round().long().unique()
+
+
+# ----------------------------------------------------------------------------------- results
+@dataclass
+class Row:
+    kernel: str
+    shape: str
+    m: int
+    bytes: float
+    flops: float
+    mem_s: float
+    flop_s: float
+    limit_s: float
+    bound: str
+    triton_s: float | None = None
+    reference_s: float | None = None
+    torch_s: float | None = None
+    rel_err: float | None = None
+    err_rows: int | None = None  # rows compared when the reference ran on a subset
+    reference_skipped: str | None = None
+    torch_skipped: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def pct_limit(self) -> float | None:
+        return None if not self.triton_s else self.limit_s / self.triton_s
+
+
+def limit_of(nbytes: float, flops: float, ceil: Ceilings) -> tuple[float, float, float, str]:
+    mem_s, flop_s = nbytes / ceil.bandwidth, flops / ceil.bf16_flops
+    return mem_s, flop_s, max(mem_s, flop_s), ("memory" if mem_s >= flop_s else "compute")
+
+
+def linear_bytes(spec: LinearSpec, m: int, w) -> tuple[float, float]:
+    x_bytes = m * spec.groups * spec.k * 2
+    out_bytes = m * spec.groups * spec.n * 2
+    return w.nbytes + x_bytes + out_bytes, 2.0 * m * spec.groups * spec.n * spec.k
+
+
+# ----------------------------------------------------------------------------------- the benchmark
+class Bench:
+    def __init__(self, args, device: torch.device, shapes: Shapes, ceil: Ceilings, timer: Timer):
+        self.args, self.device, self.s, self.ceil, self.timer = args, device, shapes, ceil, timer
+        self.gen = torch.Generator(device=device).manual_seed(args.seed)
+        self.tk = TritonKernels()
+        self.rk = ReferenceKernels(batch_invariant=False)
+        self.specs = linear_specs(shapes)
+        self.rotate_bytes = max(4 * ceil.l2_bytes, (256 * MB) if not args.tiny else (2 * MB))
+        self.weights: dict[str, list] = {}
+        self.experts = None
+        self.rows: list[Row] = []
+        self.layer: list[dict] = []
+        self.tune: list[dict] = []
+        cuda = device.type == "cuda"
+        self.launch_s = 8e-6 if cuda else 30e-6
+        tiny = args.tiny
+        q = 0.5 if args.quick else 1.0
+        self.budget_fast = (0.005 if tiny else 0.25 * q, 2 if tiny else 10, 3 if tiny else 2000)
+        self.budget_slow = (0.005 if tiny else 0.3 * q, 2, 3 if tiny else 500)
+
+    # ------------------------------------------------------------ setup
+    def make_weights(self) -> None:
+        total = 0
+        for spec in self.specs:
+            copies = weight_copies(spec, self.rotate_bytes, 128, self.device, self.gen)
+            self.weights[spec.name] = copies
+            total += sum(w.nbytes for w in copies)
+            log(f"weights {spec.name} {spec.shape_text}: {len(copies)} copies of {copies[0].nbytes / MB:.1f} MB")
+        s = self.s
+        w1 = fp4_stack(s.experts, s.inter, s.dim, GAINS.get("w1", 1.0), self.device, self.gen)
+        w3 = fp4_stack(s.experts, s.inter, s.dim, GAINS.get("w3", 1.0), self.device, self.gen)
+        w2 = fp4_stack(s.experts, s.dim, s.inter, GAINS.get("w2", 1.0), self.device, self.gen)
+        self.experts = ExpertWeights(w1=w1, w3=w3, w2=w2, first_expert=0, swiglu_limit=s.swiglu_limit)
+        total += self.experts.nbytes
+        self.timer.sync()
+        log(f"experts: {s.experts} x FP4 ({self.experts.nbytes / GB:.2f} GB); all weights {total / GB:.2f} GB")
+
+    def expert_bytes(self) -> int:
+        return sum(w.values[0].nbytes + w.scales[0].nbytes for w in (self.experts.w1, self.experts.w3, self.experts.w2))
+
+    # ------------------------------------------------------------ estimates (reference / torch)
+    def mem_cap(self) -> float:
+        if self.device.type != "cuda":
+            return 2 * GB
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return min(0.5 * free, 48 * GB)
+
+    def reference_linear_cost(self, spec: LinearSpec, m: int) -> tuple[float, float]:
+        """(seconds, bytes) the reference's block-scaled linear would need: K/32 fp32 partial products
+        held together, then summed with their scales."""
+        n, k, blocks = spec.groups * spec.n, spec.k, spec.k // 32
+        if spec.groups > 1:  # dequantized bf16 weight and one einsum
+            mem = n * k * 12 + m * spec.groups * (spec.n + spec.k) * 2
+            secs = n * k * 20 / self.ceil.bandwidth + 2.0 * m * n * k / self.ceil.bf16_flops + 20 * self.launch_s
+            return secs, mem
+        partials = blocks * m * n * 4
+        mem = partials + 2 * m * n * 4 + n * k * 8 + m * k * 8
+        secs = (4 * partials + n * k * 12) / self.ceil.bandwidth + 2.0 * m * n * k / (self.ceil.bf16_flops / 16) \
+            + 4 * blocks * self.launch_s
+        return secs, mem
+
+    def reference_moe_cost(self, hit: float, pairs: int) -> float:
+        s = self.s
+        per_expert = (4 * 2 * (s.dim // 32) + 4 * (s.inter // 32) + 40) * self.launch_s \
+            + 3 * s.inter * s.dim * 40 / self.ceil.bandwidth
+        return hit * per_expert + 6.0 * pairs * s.inter * s.dim / (self.ceil.bf16_flops / 16)
+
+    def torch_moe_cost(self, hit: float, pairs: int) -> float:
+        s = self.s
+        return hit * (30 * self.launch_s + 3 * s.inter * s.dim * 40 / self.ceil.bandwidth) \
+            + 6.0 * pairs * s.inter * s.dim / self.ceil.bf16_flops
+
+    # ------------------------------------------------------------ FP8 linears
+    def run_linear(self, spec: LinearSpec, m: int) -> Row:
+        args, dev = self.args, self.device
+        ws = self.weights[spec.name]
+        decode = m <= DECODE_MAX_M
+        nx = input_sets(m, spec.groups * spec.k * 2, decode)
+        shape = (m, spec.groups, spec.k) if spec.groups > 1 else (m, spec.k)
+        xs = [torch.randn(shape, device=dev, generator=self.gen).to(torch.bfloat16) for _ in range(nx)]
+        grouped = spec.groups > 1
+        tri = self.tk.grouped_dequantized_linear if grouped else self.tk.quantized_linear
+        ref = self.rk.grouped_dequantized_linear if grouped else self.rk.quantized_linear
+        plain = torch_grouped if grouped else torch_linear
+        nw = len(ws)
+
+        nbytes, flops = linear_bytes(spec, m, ws[0])
+        mem_s, flop_s, limit_s, bound = limit_of(nbytes, flops, self.ceil)
+        row = Row(spec.name, spec.shape_text, m, nbytes, flops, mem_s, flop_s, limit_s, bound)
+
+        # correctness (and the first call of each backend)
+        out = tri(xs[0], ws[0])
+        ref_s, ref_mem = self.reference_linear_cost(spec, m)
+        skip = None
+        if args.no_reference:
+            skip = "--no-reference"
+        elif args.ref_max_m is not None and m > args.ref_max_m:
+            skip = f"M > --ref-max-m {args.ref_max_m}"
+        elif ref_mem > self.mem_cap():
+            skip = f"needs ~{ref_mem / GB:.0f} GB"
+        elif ref_s > args.ref_limit_s:
+            skip = f"~{ref_s:.1f} s per call"
+        if skip is None:
+            expected = ref(xs[0], ws[0])
+            row.rel_err = rel_err(out, expected)
+        else:
+            rows = check_rows(m, args.check_rows, dev)
+            expected = ref(xs[0][rows], ws[0])
+            row.rel_err, row.err_rows = rel_err(out[rows], expected), int(rows.numel())
+        del out, expected
+        check(spec.name, m, row.rel_err, "all rows" if row.err_rows is None else f"{row.err_rows} rows")
+
+        fast, slow = self.budget_fast, self.budget_slow
+        self._record_triton(row, self.timer.measure(lambda i: tri(xs[i % nx], ws[i % nw]), *fast))
+        if skip is None:  # the check above was its first call
+            row.reference_s = self.timer.measure(lambda i: ref(xs[i % nx], ws[i % nw]), *slow, warm=False).median_s
+        else:
+            row.reference_skipped = skip
+        row.torch_s = self.timer.measure(lambda i: plain(xs[i % nx], ws[i % nw]), *slow).median_s
+        del xs
+        self._cleanup(big=not decode)
+        return row
+
+    # ------------------------------------------------------------ FP4 experts
+    def routing_sets(self, m: int, count: int):
+        sets = []
+        for _ in range(count):
+            x = torch.randn(m, self.s.dim, device=self.device, generator=self.gen).to(torch.bfloat16)
+            sets.append((x, *random_routing(m, self.s, self.device, self.gen)))
+        return sets
+
+    def run_moe(self, m: int) -> Row:
+        args, s, dev, experts = self.args, self.s, self.device, self.experts
+        decode = m <= DECODE_MAX_M
+        sets = self.routing_sets(m, 8 if decode else 2)
+        n = len(sets)
+        pairs = m * s.top_k
+        hit = statistics.mean(int(torch.unique(st[2]).numel()) for st in sets)
+        nbytes = hit * self.expert_bytes() + m * s.dim * 2 + pairs * s.dim * 2 + pairs * (8 + 8 + 4)
+        flops = 2.0 * pairs * (2 * s.inter * s.dim + s.dim * s.inter)
+        mem_s, flop_s, limit_s, bound = limit_of(nbytes, flops, self.ceil)
+        label = f"{s.experts}x FP4 top-{s.top_k}"
+        row = Row("moe.experts", label, m, nbytes, flops, mem_s, flop_s, limit_s, bound,
+                  extra={"experts_hit": hit, "pairs": pairs})
+
+        def tri(st):
+            return self.tk.expert_outputs(st[0], st[1], st[2], st[3], experts)
+
+        def ref(st):
+            return self.rk.expert_outputs(st[0], st[1], st[2], st[3], experts)
+
+        def plain(st):
+            return torch_moe(st[0], st[1], st[2], st[3], experts, s.swiglu_limit)
+
+        out = tri(sets[0])
+        ref_s = self.reference_moe_cost(hit, pairs)
+        skip = None
+        if args.no_reference:
+            skip = "--no-reference"
+        elif m > args.moe_ref_max_m:
+            skip = f"M > {args.moe_ref_max_m}"
+        elif ref_s > args.ref_limit_s:
+            skip = f"~{ref_s:.1f} s per call"
+        if skip is None:
+            expected = ref(sets[0])
+            row.rel_err = rel_err(out, expected)
+        else:  # the pairs of a few tokens, spread over the batch
+            x, pair_token, pair_expert, pair_weight = sets[0]
+            tokens = check_rows(m, args.check_tokens, dev)
+            sel = (tokens[:, None] * s.top_k + torch.arange(s.top_k, device=dev)).reshape(-1)
+            sub_token = torch.arange(tokens.numel() * s.top_k, device=dev) // s.top_k
+            expected = self.rk.expert_outputs(x[tokens], sub_token, pair_expert[sel], pair_weight[sel], experts)
+            row.rel_err, row.err_rows = rel_err(out[sel], expected), int(sel.numel())
+        del out, expected
+        check("moe.experts", m, row.rel_err, "all pairs" if row.err_rows is None else f"{row.err_rows} pairs")
+
+        fast, slow = self.budget_fast, self.budget_slow
+        self._record_triton(row, self.timer.measure(lambda i: tri(sets[i % n]), *fast))
+        if skip is None:  # the check above was its first call
+            row.reference_s = self.timer.measure(lambda i: ref(sets[i % n]), *slow, warm=False, syncs=True).median_s
+        else:
+            row.reference_skipped = skip
+        torch_s = self.torch_moe_cost(hit, pairs)
+        if torch_s > args.ref_limit_s:
+            row.torch_skipped = f"~{torch_s:.1f} s per call"
+        else:
+            row.torch_s = self.timer.measure(lambda i: plain(sets[i % n]), *slow, syncs=True).median_s
+        del sets
+        self._cleanup(big=not decode)
+        return row
+
+    # ------------------------------------------------------------ one layer's FP8 linears, one graph
+    def run_layer_graph(self, m: int) -> dict:
+        dev, instances = self.device, self.args.graph_layers
+        calls = []  # (fn, x, w) per linear per layer instance
+        for layer in range(instances):
+            for spec in self.specs:
+                ws = self.weights[spec.name]
+                shape = (m, spec.groups, spec.k) if spec.groups > 1 else (m, spec.k)
+                x = torch.randn(shape, device=dev, generator=self.gen).to(torch.bfloat16)
+                fn = self.tk.grouped_dequantized_linear if spec.groups > 1 else self.tk.quantized_linear
+                calls.append((fn, x, ws[layer % len(ws)]))
+
+        def run_all():
+            return [fn(x, w) for fn, x, w in calls]
+
+        eager = run_all()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                run_all()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = run_all()
+        graph.replay()
+        torch.cuda.synchronize()
+        for (out, ref), spec in zip(zip(captured, eager), self.specs * instances):
+            if not torch.equal(out, ref):
+                raise CorrectnessError(f"{spec.name} at M={m}: CUDA graph replay differs from the eager call")
+        t = self.timer.measure(lambda i: graph.replay(), *self.budget_fast)
+        per_layer = t.median_s / instances
+        mem_s = flop_s = limit_s = 0.0
+        for spec in self.specs:
+            nbytes, flops = linear_bytes(spec, m, self.weights[spec.name][0])
+            a, b, c, _ = limit_of(nbytes, flops, self.ceil)
+            mem_s, flop_s, limit_s = mem_s + a, flop_s + b, limit_s + c
+        summed = sum(r.triton_s for r in self.rows if r.m == m and r.kernel in {s.name for s in self.specs})
+        bytes_total = sum(linear_bytes(s, m, self.weights[s.name][0])[0] for s in self.specs)
+        del graph, captured, eager, calls
+        self._cleanup(big=False)
+        return {"m": m, "graph_s": per_layer, "sum_s": summed, "mem_limit_s": mem_s, "flop_limit_s": flop_s,
+                "limit_s": limit_s, "bytes": bytes_total, "instances": instances,
+                "pct_mem_limit": mem_s / per_layer, "pct_limit": limit_s / per_layer,
+                "sum_pct_mem_limit": mem_s / summed if summed else None}
+
+    @staticmethod
+    def _record_triton(row: Row, t: Timing) -> None:
+        row.triton_s = t.median_s
+        row.extra.update(triton_min_s=t.min_s, triton_reps=t.reps)
+        if t.launch_gaps:
+            row.extra["triton_launch_gaps"] = True
+            log(f"  note: {row.kernel} M={row.m}: the host could not stay ahead; launch gaps are in the time")
+
+    def _cleanup(self, big: bool) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            if big:
+                torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------ tile-config sweep
+    def run_tune(self, ms: list[int]) -> None:
+        gemm_cfgs = [TileConfig(64, bn, 4, st) for bn in (16, 32, 64, 128) for st in (3, 4, 5)]
+        moe_cfgs = [TileConfig(64, bn, 4, st) for bn in (32, 64, 128) for st in (3, 4, 5)]
+        if self.args.tiny:
+            gemm_cfgs, moe_cfgs = gemm_cfgs[1::3], moe_cfgs[1::3]  # the logic, not the numbers
+        budget = (self.budget_fast[0] * 0.4, self.budget_fast[1], self.budget_fast[2])
+        for m in ms:
+            for spec in self.specs:
+                ws = self.weights[spec.name]
+                nx = input_sets(m, spec.groups * spec.k * 2, True)
+                shape = (m, spec.groups, spec.k) if spec.groups > 1 else (m, spec.k)
+                xs = [torch.randn(shape, device=self.device, generator=self.gen).to(torch.bfloat16) for _ in range(nx)]
+                fn = self.tk.grouped_dequantized_linear if spec.groups > 1 else self.tk.quantized_linear
+                nbytes, flops = linear_bytes(spec, m, ws[0])
+                limit_s = limit_of(nbytes, flops, self.ceil)[2]
+                default = tile_configs.gemm_config(m, spec.n, spec.k)
+                self._sweep(spec.name, m, limit_s, default, gemm_cfgs, "gemm",
+                            lambda i: fn(xs[i % nx], ws[i % len(ws)]), budget)
+                del xs
+            sets = self.routing_sets(m, 8)
+            hit = statistics.mean(int(torch.unique(st[2]).numel()) for st in sets)
+            pairs = m * self.s.top_k
+            nbytes = hit * self.expert_bytes() + m * self.s.dim * 2 + pairs * self.s.dim * 2
+            limit_s = limit_of(nbytes, 6.0 * pairs * self.s.inter * self.s.dim, self.ceil)[2]
+            default = tile_configs.moe_config(pairs / self.s.experts)
+            self._sweep("moe.experts", m, limit_s, default, moe_cfgs, "moe",
+                        lambda i: self.tk.expert_outputs(*sets[i % len(sets)], self.experts), budget)
+            del sets
+            self._cleanup(big=False)
+
+    def _sweep(self, name, m, limit_s, default, cfgs, table, call, budget) -> None:
+        base = call(0)
+        base_s = self.timer.measure(call, *budget).median_s
+        entry = {"kernel": name, "m": m, "default": asdict(default), "default_s": base_s, "limit_s": limit_s,
+                 "configs": []}
+        best = (base_s, default)
+        for cfg in cfgs:
+            with override_tables(**{table: cfg}):
+                try:
+                    out = call(0)
+                    t = self.timer.measure(call, *budget).median_s
+                except Exception as exc:  # e.g. out of shared memory
+                    entry["configs"].append({"config": asdict(cfg), "error": f"{type(exc).__name__}: {exc}"[:200]})
+                    continue
+            same = bool(torch.equal(out, base))
+            entry["configs"].append({"config": asdict(cfg), "s": t, "bitwise_equal_to_default": same})
+            if not same:
+                log(f"  note: {name} M={m} {cfg} output differs bitwise from the default config's")
+            if t < best[0]:
+                best = (t, cfg)
+        entry["best"], entry["best_s"] = asdict(best[1]), best[0]
+        log(f"tune {name:22s} M={m:<5d} default {base_s * 1e6:8.1f} us -> best {best[0] * 1e6:8.1f} us "
+            f"{cfg_text(best[1])} ({limit_s / best[0]:.0%} of limit)")
+        self.tune.append(entry)
+
+
+@contextlib.contextmanager
+def override_tables(gemm=None, moe=None):
+    """Every M takes ``gemm`` / ``moe`` while inside (the tables are read at each call)."""
+    saved = tile_configs._GEMM_TABLE, tile_configs._MOE_TABLE
+    try:
+        if gemm is not None:
+            tile_configs._GEMM_TABLE = ((1 << 62, gemm),)
+        if moe is not None:
+            tile_configs._MOE_TABLE = ((1 << 62, moe),)
+        yield
+    finally:
+        tile_configs._GEMM_TABLE, tile_configs._MOE_TABLE = saved
+
+
+def cfg_text(cfg) -> str:
+    if isinstance(cfg, dict):
+        cfg = TileConfig(**cfg)
+    return f"m{cfg.block_m}/n{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}"
+
+
+# ----------------------------------------------------------------------------------- report
+def us(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    v = seconds * 1e6
+    return f"{v:.1f}" if v < 1000 else f"{v:,.0f}"
+
+
+def progress_line(r: Row) -> str:
+    return (f"{r.kernel:22s} M={r.m:<6d} triton {us(r.triton_s):>9s} us  ref {us(r.reference_s):>9s}  "
+            f"torch {us(r.torch_s):>9s}  limit {us(r.limit_s):>8s} ({r.bound})  {r.pct_limit:.0%}  err {r.rel_err:.1e}")
+
+
+def env_info(device: torch.device) -> dict:
+    info = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+            "device": str(device), "interpreted": os.environ.get("TRITON_INTERPRET") == "1"}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
+                    gpu_memory_gb=round(props.total_memory / GB, 1), sms=props.multi_processor_count)
+    else:
+        info["gpu"] = f"none (CPU: {platform.processor() or platform.machine()})"
+    return info
+
+
+def markdown(env: dict, ceil: Ceilings, bench: Bench, shapes_name: str) -> str:
+    lines = [f"## Quantized kernels, {shapes_name} shapes",
+             "",
+             f"* device: {env['gpu']}; torch {env['torch']}, triton {env['triton']}"
+             + (" (TRITON_INTERPRET=1: timings meaningless)" if env["interpreted"] else ""),
+             f"* measured HBM bandwidth: {ceil.bandwidth / 1e12:.2f} TB/s (device copy of "
+             f"{ceil.copy_bytes / (1 << 30):.2f} GiB, read + write)",
+             f"* measured bf16 tensor-core peak: {ceil.bf16_flops / 1e12:.0f} TFLOP/s (torch.matmul "
+             f"{ceil.matmul_n}^3), **used for the limit**; fp8 peak (torch._scaled_mm, context): "
+             + (f"{ceil.fp8_flops / 1e12:.0f} TFLOP/s" if ceil.fp8_flops else "not measured"),
+             "* limit = max(bytes / bandwidth, FLOPs / bf16 peak); % of limit = limit / triton time; "
+             "times in µs (median); err = max |triton - reference| / max |reference| "
+             "(`(n rows)`: reference run on n spread rows only)",
+             "",
+             "| kernel | weight | M | triton | reference | torch (dequant + F.linear) | limit | bound "
+             "| % of limit | TB/s | TFLOP/s | triton vs torch | err |",
+             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for r in bench.rows:
+        err = "-" if r.rel_err is None else f"{r.rel_err:.1e}" + (f" ({r.err_rows} rows)" if r.err_rows else "")
+        speed = f"{r.torch_s / r.triton_s:.1f}x" if r.torch_s and r.triton_s else "-"
+        lines.append(f"| {r.kernel} | {r.shape} | {r.m} | {us(r.triton_s)} | {us(r.reference_s)} | {us(r.torch_s)} "
+                     f"| {us(r.limit_s)} | {r.bound} | {r.pct_limit:.0%} | {r.bytes / r.triton_s / 1e12:.2f} "
+                     f"| {r.flops / r.triton_s / 1e12:.1f} | {speed} | {err} |")
+    if bench.layer:
+        lines += ["",
+                  f"FP8 linears of one layer taken together ({len(bench.specs)} projections: "
+                  + ", ".join(s.name for s in bench.specs) + "); graph = all of them captured in one CUDA graph "
+                  f"({bench.layer[0]['instances']} layer instances with distinct weights) and replayed, per layer. "
+                  "Target: >= 70% of the memory limit.",
+                  "",
+                  "| M | sum of kernels | CUDA graph | memory limit | limit | graph % of memory limit "
+                  "| graph % of limit | sum % of memory limit |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for e in bench.layer:
+            sum_pct = "-" if e["sum_pct_mem_limit"] is None else f"{e['sum_pct_mem_limit']:.0%}"
+            lines.append(f"| {e['m']} | {us(e['sum_s'])} | {us(e['graph_s'])} | {us(e['mem_limit_s'])} "
+                         f"| {us(e['limit_s'])} | **{e['pct_mem_limit']:.0%}** | {e['pct_limit']:.0%} | {sum_pct} |")
+    return "\n".join(lines)
+
+
+def tune_markdown(bench: Bench) -> str:
+    lines = ["## Tile-config sweep (BLOCK_M 64, 4 warps)", "",
+             "| kernel | M | default | default µs | best | best µs | gain | best % of limit |",
+             "|---|---:|---|---:|---|---:|---:|---:|"]
+    for e in bench.tune:
+        lines.append(f"| {e['kernel']} | {e['m']} | {cfg_text(e['default'])} | {us(e['default_s'])} "
+                     f"| {cfg_text(e['best'])} | {us(e['best_s'])} | {e['default_s'] / e['best_s']:.2f}x "
+                     f"| {e['limit_s'] / e['best_s']:.0%} |")
+    # the tables are keyed by M only: the config with the least total time over the GEMMs of each M
+    lines += ["", "Best single config per M (sum over the FP8 GEMMs / the experts):", ""]
+    for table in ("gemm", "moe"):
+        for m in sorted({e["m"] for e in bench.tune}):
+            entries = [e for e in bench.tune if e["m"] == m and (e["kernel"] == "moe.experts") == (table == "moe")]
+            totals: dict[str, float] = {}
+            ok = {}
+            for e in entries:
+                for c in e["configs"]:
+                    key = cfg_text(c["config"])
+                    if "s" in c:
+                        totals[key] = totals.get(key, 0.0) + c["s"]
+                        ok[key] = ok.get(key, 0) + 1
+            full = {k: v for k, v in totals.items() if ok[k] == len(entries)}
+            if not full:
+                continue
+            best = min(full, key=full.get)
+            default_total = sum(e["default_s"] for e in entries)
+            lines.append(f"* {table} M={m}: {best} total {us(full[best])} µs vs default {us(default_total)} µs")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--m", default=None, help="comma-separated token counts (default 1,8,64,256,4096,16384)")
+    p.add_argument("--quick", action="store_true", help="M = 1,64,4096 and half the timing budget")
+    p.add_argument("--device", default=None, help="cuda (default when available) or cpu (needs --tiny)")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (for the CPU under TRITON_INTERPRET=1)")
+    p.add_argument("--json", default=None, help="write every number to this file")
+    p.add_argument("--tune", action="store_true", help="also sweep tile configs at the decode M values")
+    p.add_argument("--tune-only", action="store_true", help="only the tile-config sweep")
+    p.add_argument("--kernels", default=None, help="comma-separated subset of kernel names (substring match)")
+    p.add_argument("--no-reference", action="store_true", help="skip the reference timings (checks still run)")
+    p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph layer measurement")
+    p.add_argument("--ref-limit-s", type=float, default=2.0,
+                   help="skip the reference / torch timing where one call is estimated to take longer (2.0)")
+    p.add_argument("--ref-max-m", type=int, default=None, help="skip the FP8 reference timing above this M")
+    p.add_argument("--moe-ref-max-m", type=int, default=2048, help="skip the expert reference above this M (2048)")
+    p.add_argument("--check-rows", type=int, default=64, help="rows checked where the reference is skipped (64)")
+    p.add_argument("--check-tokens", type=int, default=4, help="tokens checked where the expert reference is skipped")
+    p.add_argument("--graph-layers", type=int, default=4, help="layer instances captured in the CUDA graph (4)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.m is None:
+        if args.tiny:
+            args.m = "1,64" if args.quick else "1,8,64,300"
+        else:
+            args.m = "1,64,4096" if args.quick else "1,8,64,256,4096,16384"
+    args.ms = [int(v) for v in args.m.split(",") if v.strip()]
+    if any(m < 1 for m in args.ms):
+        p.error("--m values must be >= 1")
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device.startswith("cpu") and not args.tiny:
+        p.error("the real shapes on the CPU would take hours: use --tiny (with TRITON_INTERPRET=1)")
+    if args.tune_only:
+        args.tune = True
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernels are imported
+    _import_kernels()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    shapes = TINY if args.tiny else FLASH
+    shapes_name = "tiny" if args.tiny else "DeepSeek-V4.1-Flash"
+    log(f"{shapes_name} shapes on {device}; M = {args.ms}")
+
+    timer = Timer(device)
+    env = env_info(device)
+    ceil = measure_ceilings(device, timer, args.tiny, 0.005 if args.tiny else 0.5)
+    bench = Bench(args, device, shapes, ceil, timer)
+    if args.kernels:
+        wanted = [w.strip() for w in args.kernels.split(",") if w.strip()]
+        bench.specs = [s for s in bench.specs if any(w in s.name for w in wanted)]
+        do_moe = any(w in "moe.experts" for w in wanted)
+    else:
+        do_moe = True
+    bench.make_weights()
+
+    error = None
+    try:
+        if not args.tune_only:
+            for m in args.ms:
+                for spec in bench.specs:
+                    row = bench.run_linear(spec, m)
+                    bench.rows.append(row)
+                    log(progress_line(row))
+                if do_moe:
+                    row = bench.run_moe(m)
+                    bench.rows.append(row)
+                    log(progress_line(row) + f"  experts hit {row.extra['experts_hit']:.0f}")
+                if (device.type == "cuda" and not args.no_graph and m <= DECODE_MAX_M
+                        and len(bench.specs) == len(linear_specs(shapes))):
+                    entry = bench.run_layer_graph(m)
+                    bench.layer.append(entry)
+                    log(f"layer FP8 linears M={m}: graph {us(entry['graph_s'])} us, sum {us(entry['sum_s'])} us, "
+                        f"memory limit {us(entry['mem_limit_s'])} us -> {entry['pct_mem_limit']:.0%}")
+        if args.tune:
+            bench.run_tune([m for m in args.ms if m <= DECODE_MAX_M])
+    except CorrectnessError as exc:
+        error = str(exc)
+    finally:
+        if args.json:
+            doc = {"env": env, "shapes": asdict(shapes), "ceilings": asdict(ceil), "args": vars(args),
+                   "results": [dict(asdict(r), pct_limit=r.pct_limit) for r in bench.rows],
+                   "layer": bench.layer, "tune": bench.tune, "error": error,
+                   "elapsed_s": time.perf_counter() - _T0}
+            Path(args.json).write_text(json.dumps(doc, indent=2, default=str) + "\n")
+            log(f"wrote {args.json}")
+
+    if bench.tune:
+        print(tune_markdown(bench))
+        print()
+    if bench.rows or bench.layer:
+        print(markdown(env, ceil, bench, shapes_name))
+    if error:
+        print(error, file=sys.stderr)
+        print(error)
+        return 1
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""The kernel interface: the products whose arithmetic a backend may implement its own way.
+
+The model's modules call these methods and never look at which backend they hold. Two backends
+exist: ``reference`` (``reference.py``: the arithmetic proven equal to DeepSeek's reference,
+default on CPU, what ``parity`` uses) and ``triton`` (``triton_backend.py``: GPU kernels that
+read the storage formats directly, default on CUDA). The head is in the interface for its size
+(the largest single weight). Other plain bf16/fp32 products (mHC mixes, the router, compressor and
+indexer weights) are not: both backends run them through torch (``model/gemm.py``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from .weights import ExpertWeights, QuantizedWeight
+
+
+class KernelBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+        """``x [..., K]`` bf16 times an FP8/FP4 weight ``[N, K]`` -> bf16 ``[..., N]``.
+
+        The reference's ``fp8_gemm``/``fp4_gemm``: ``x`` is FP8-quantized in groups of 32 (UE8M0
+        scales), products accumulate in fp32."""
+
+    @abstractmethod
+    def grouped_dequantized_linear(self, x: torch.Tensor, weight: QuantizedWeight | torch.Tensor) -> torch.Tensor:
+        """``x [T, G, K]`` bf16 times group ``g``'s slice of a weight ``[G * R, K]`` -> bf16 ``[T, G, R]``.
+
+        The grouped output projection (``wo_a``): the reference multiplies the bf16 activation
+        (not quantized) by the exactly dequantized bf16 weight (or a bf16 checkpoint's weight)."""
+
+    @abstractmethod
+    def logits(self, hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[R, V]`` of bf16 hidden rows ``[R, D]`` and the bf16 head ``[V, D]``.
+
+        The reference multiplies fp32 copies of both: bf16 x bf16 products are exact in fp32, so a
+        backend may multiply the bf16 values with fp32 accumulation instead of holding an fp32 head."""
+
+    @abstractmethod
+    def expert_outputs(self, x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.Tensor,
+                       pair_weight: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
+        """Routed expert outputs, one row per (token, expert) pair -> bf16 ``[P, D]``.
+
+        ``x [N, D]`` bf16 token rows; per pair: ``pair_token [P]`` (row of ``x``), ``pair_expert
+        [P]`` (index into ``experts``' stack, i.e. global id minus ``first_expert``; a value
+        outside the stack means the pair is not this rank's and its row is left zero),
+        ``pair_weight [P]`` fp32 routing weight. Each pair computes the clamped SwiGLU expert with
+        the routing weight applied to the hidden activation before the down projection."""

@@ -1,0 +1,69 @@
+"""The reference backend: DeepSeek's reference arithmetic, on any device.
+
+Weights stay in their storage formats; each call expands exactly the weight it multiplies (e4m3
+or e2m1 values and fp32 scales, which is exact) and frees the expansion when it returns. With
+``batch_invariant`` every row is its own product, so a row's result never depends on its batch
+(what the engine's CPU default needs); without it, rows are multiplied together, as the
+reference does in a prefill (what ``parity`` needs to be bit-exact).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..gemm import block_scaled_linear, dense_linear
+from .backend import KernelBackend
+from .weights import ExpertWeights, QuantizedWeight
+
+
+class ReferenceKernels(KernelBackend):
+    name = "reference"
+
+    def __init__(self, batch_invariant: bool):
+        self.batch_invariant = batch_invariant
+
+    def quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+        return block_scaled_linear(x, weight.unscaled_values(), weight.row_scales(), self.batch_invariant)
+
+    def grouped_dequantized_linear(self, x: torch.Tensor, weight: QuantizedWeight | torch.Tensor) -> torch.Tensor:
+        t, groups, _ = x.shape
+        w = weight.dequantized() if isinstance(weight, QuantizedWeight) else weight
+        w = w.view(groups, -1, x.shape[-1])
+        if self.batch_invariant:
+            # one [1, K] x [K, R] product per (token, group), as in a reference decode step; the
+            # group's weight is broadcast over the tokens (stride 0), not copied
+            return torch.stack([torch.bmm(x[:, g].unsqueeze(1), w[g].t().unsqueeze(0).expand(t, -1, -1)).squeeze(1)
+                                for g in range(groups)], dim=1)
+        return torch.einsum("tgd,grd->tgr", x, w)
+
+    def logits(self, hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        return dense_linear(hidden.float(), head.float(), self.batch_invariant)
+
+    def expert_outputs(self, x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.Tensor,
+                       pair_weight: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
+        out = torch.zeros(pair_token.shape[0], x.shape[-1], dtype=x.dtype, device=x.device)
+        num = experts.num_experts
+        local = torch.where((pair_expert >= 0) & (pair_expert < num), pair_expert, num)
+        for e, count in enumerate(torch.bincount(local, minlength=num + 1)[:num].tolist()):
+            if count == 0:
+                continue
+            pairs = torch.nonzero(pair_expert == e).squeeze(1)  # in pair order: token order for one expert
+            out[pairs] = self._expert(x[pair_token[pairs]], pair_weight[pairs, None], experts, e)
+        return out
+
+    def _expert(self, x: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights, e: int) -> torch.Tensor:
+        """The reference's clamped SwiGLU expert on rows ``x``; ``weights [n, 1]`` scale the hidden state."""
+        gate = self._project(x, experts.w1, e).float()
+        up = self._project(x, experts.w3, e).float()
+        limit = experts.swiglu_limit
+        if limit > 0:
+            up = torch.clamp(up, min=-limit, max=limit)
+            gate = torch.clamp(gate, max=limit)
+        hidden = weights * (F.silu(gate) * up)
+        return self._project(hidden.to(x.dtype), experts.w2, e)
+
+    def _project(self, x: torch.Tensor, stack, e: int) -> torch.Tensor:
+        if isinstance(stack, QuantizedWeight):
+            return self.quantized_linear(x, stack[e])
+        return dense_linear(x, stack[e], self.batch_invariant)

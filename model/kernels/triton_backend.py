@@ -1,0 +1,45 @@
+"""The Triton backend: kernels that read FP8/FP4 weights in their storage formats (CUDA default).
+
+Each method has the reference backend's method of the same name as its twin (``reference.py``);
+``tests/test_triton_kernels.py`` holds them against each other.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import WeightFormat
+from .backend import KernelBackend
+from .reference import ReferenceKernels
+from .triton_gemm import act_quant, block_scaled_gemm
+from .triton_moe import fused_experts
+from .weights import ExpertWeights, QuantizedWeight
+
+
+class TritonKernels(KernelBackend):
+    name = "triton"
+
+    def __init__(self):
+        # bf16 checkpoints (no quantized weights) are rare: their few products go through torch
+        self._plain = ReferenceKernels(batch_invariant=False)
+
+    def quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+        shape = x.shape
+        a = act_quant(x.reshape(-1, shape[-1]))
+        return block_scaled_gemm(a, weight.values, weight.scales, weight.fmt).view(*shape[:-1], -1)
+
+    def grouped_dequantized_linear(self, x: torch.Tensor, weight: QuantizedWeight | torch.Tensor) -> torch.Tensor:
+        if not isinstance(weight, QuantizedWeight) or weight.fmt is not WeightFormat.FP8:
+            return self._plain.grouped_dequantized_linear(x, weight)
+        t, groups, k = x.shape
+        out = block_scaled_gemm(x.reshape(t, groups * k), weight.values, weight.scales, weight.fmt, groups=groups)
+        return out.view(t, groups, -1)
+
+    def logits(self, hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        return block_scaled_gemm(hidden.contiguous(), head, None, WeightFormat.BF16, out_dtype=torch.float32)
+
+    def expert_outputs(self, x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.Tensor,
+                       pair_weight: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
+        if not isinstance(experts.w1, QuantizedWeight):
+            return self._plain.expert_outputs(x, pair_token, pair_expert, pair_weight, experts)
+        return fused_experts(act_quant(x), pair_token, pair_expert, pair_weight.float().contiguous(), experts)

@@ -1,0 +1,184 @@
+"""Triton kernels against their reference twins (``model/kernels/``), on random inputs.
+
+Without a GPU these run in Triton's interpreter at tiny shapes (``conftest.py`` sets
+``TRITON_INTERPRET``); the GPU tests (``test_triton_kernels_gpu.py``) repeat them at the real
+V4.1-Flash shapes.
+
+Tolerance of the products: both sides sum exact fp32 products of the same operands (the activation
+round trip is bit-exact, e4m3/e2m1 times power-of-two scales are exact in bf16), the reference per
+32-block then across blocks, the kernel in the tensor cores' order. The fp32 sums differ by a few
+fp32 ulps of the row's magnitude, which can move the final bf16 rounding by one bf16 ulp. So an
+element may differ by one bf16 ulp of its value (at most 2**-7 of it) plus 2**-16 of the row's largest
+output (the fp32 noise), and nothing more.
+
+The experts round twice more inside (gate and up to bf16, then the hidden state through its FP8
+round trip before the down projection). A one-ulp difference in a hidden value can move its e4m3
+rounding by one e4m3 step (2**-3 of it), which reaches the output through one weight: so expert
+outputs may also differ by 2**-8 of the row's largest output, and by more than one bf16 ulp in at
+most 1% of the elements.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from model.checkpoint_maker import quantize_fp8  # noqa: E402
+from model.config import WeightFormat  # noqa: E402
+from model.kernels import ExpertWeights, QuantizedWeight  # noqa: E402
+from model.kernels.reference import ReferenceKernels  # noqa: E402
+from model.quant import fp8_qdq, pack_e2m1  # noqa: E402
+
+
+def random_weight(fmt: WeightFormat, n: int, k: int, gen: torch.Generator, experts: int | None = None):
+    lead = () if experts is None else (experts,)
+    if fmt is WeightFormat.FP8:
+        pairs = [quantize_fp8(torch.randn(n, k, generator=gen) * k ** -0.5) for _ in range(experts or 1)]
+        values, scales = torch.stack([v for v, _ in pairs]), torch.stack([s for _, s in pairs])
+        return QuantizedWeight(values.view(*lead, *values.shape[1:]), scales.view(*lead, *scales.shape[1:]), fmt)
+    codes = torch.randint(0, 16, (*lead, n, k), generator=gen, dtype=torch.uint8)
+    exponents = torch.randint(-9, -5, (*lead, n, k // 32), generator=gen).float()
+    return QuantizedWeight(pack_e2m1(codes).view(torch.int8), torch.exp2(exponents).to(torch.float8_e8m0fnu), fmt)
+
+
+def assert_close_to_reference(got: torch.Tensor, ref: torch.Tensor, noise: float = 2.0 ** -16) -> None:
+    got, ref = got.float(), ref.float()
+    row_max = ref.abs().amax(dim=-1, keepdim=True)
+    allowed = ref.abs() * 2.0 ** -7 + row_max * noise
+    excess = (got - ref).abs() - allowed
+    assert bool((excess <= 0).all()), f"max excess {excess.max().item():.3g} (max abs diff {(got - ref).abs().max()})"
+
+
+MOE_NOISE = 2.0 ** -8  # see the module docstring
+
+
+def assert_experts_close_to_reference(got: torch.Tensor, ref: torch.Tensor) -> None:
+    assert_close_to_reference(got, ref, noise=MOE_NOISE)
+    ulp_exceeded = (got.float() - ref.float()).abs() > ref.float().abs() * 2.0 ** -7
+    assert ulp_exceeded.float().mean() <= 0.01, f"{ulp_exceeded.float().mean():.2%} of elements beyond one ulp"
+
+
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_act_quant_is_bit_exact():
+    from model.kernels.triton_gemm import act_quant
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 320, generator=gen) * torch.logspace(-6, 3, 320)  # every exponent range, subnormal e4m3 too
+    x[0, :32] = 0.0  # an all-zero group takes the 1e-4 floor
+    x[1, 32:64] = 1e-30
+    x = x.bfloat16()
+    assert torch.equal(act_quant(x.to(device())).cpu(), fp8_qdq(x, 32))
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat.FP8, WeightFormat.FP4])
+@pytest.mark.parametrize("m", [1, 7, 70])
+def test_block_scaled_gemm_matches_reference(fmt, m):
+    from model.kernels.triton_backend import TritonKernels
+
+    gen = torch.Generator().manual_seed(m)
+    n, k = 96, 224  # N not a multiple of the tile width, K an odd number of 32-blocks
+    weight = random_weight(fmt, n, k, gen)
+    x = (torch.randn(m, k, generator=gen) * 2).bfloat16()
+    ref = ReferenceKernels(batch_invariant=False).quantized_linear(x, weight)
+    got = TritonKernels().quantized_linear(x.to(device()), weight.to(device())).cpu()
+    assert_close_to_reference(got, ref)
+
+
+def test_grouped_output_projection_matches_reference():
+    from model.kernels.triton_backend import TritonKernels
+
+    gen = torch.Generator().manual_seed(3)
+    t, groups, r, k = 5, 3, 64, 128
+    weight = random_weight(WeightFormat.FP8, groups * r, k, gen)
+    x = torch.randn(t, groups, k, generator=gen).bfloat16()
+    ref = ReferenceKernels(batch_invariant=False).grouped_dequantized_linear(x, weight)
+    got = TritonKernels().grouped_dequantized_linear(x.to(device()), weight.to(device())).cpu()
+    assert got.shape == (t, groups, r)
+    assert_close_to_reference(got, ref)
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat.FP4, WeightFormat.FP8])
+def test_fused_experts_match_reference(fmt):
+    from model.kernels.triton_backend import TritonKernels
+
+    gen = torch.Generator().manual_seed(4)
+    e, d, inter, tokens, top_k = 6, 128, 96, 11, 3
+    experts = ExpertWeights(random_weight(fmt, inter, d, gen, e), random_weight(fmt, inter, d, gen, e),
+                            random_weight(fmt, d, inter, gen, e), first_expert=0, swiglu_limit=1.0)
+    x = torch.randn(tokens, d, generator=gen).bfloat16()
+    ids = torch.rand(tokens, e, generator=gen).topk(top_k, dim=-1).indices.reshape(-1)
+    ids[[2, 9]] = torch.tensor([-1, e + 2])  # pairs another rank owns: their rows stay zero
+    pair_token = torch.arange(tokens * top_k) // top_k
+    weights = torch.rand(tokens * top_k, generator=gen) * 2
+    ref = ReferenceKernels(batch_invariant=False).expert_outputs(x, pair_token, ids, weights, experts)
+    got = TritonKernels().expert_outputs(x.to(device()), pair_token.to(device()), ids.to(device()),
+                                         weights.to(device()), experts.to(device())).cpu()
+    assert got[[2, 9]].abs().max() == 0
+    assert_experts_close_to_reference(got, ref)
+
+
+def test_align_pairs_blocks_cover_every_pair_once():
+    from model.kernels.triton_moe import align_pairs
+
+    gen = torch.Generator().manual_seed(5)
+    experts, block = 7, 4
+    ids = torch.randint(-1, experts + 1, (41,), generator=gen)
+    sorted_pair, start, count, block_expert, block_index = align_pairs(ids, experts, block)
+    covered = []
+    for b, e in enumerate(block_expert.tolist()):
+        if e < 0:
+            continue
+        rows = range(block_index[b] * block, min((block_index[b] + 1) * block, count[e]))
+        covered += [sorted_pair[start[e] + r].item() for r in rows]
+        assert all(ids[sorted_pair[start[e] + r]] == e for r in rows)
+    valid = [i for i, e in enumerate(ids.tolist()) if 0 <= e < experts]
+    assert sorted(covered) == valid
+
+
+def test_triton_rows_do_not_depend_on_the_batch():
+    from model.kernels.triton_backend import TritonKernels
+
+    gen = torch.Generator().manual_seed(6)
+    weight = random_weight(WeightFormat.FP8, 64, 128, gen).to(device())
+    x = torch.randn(40, 128, generator=gen).bfloat16().to(device())
+    kernels = TritonKernels()
+    batched = kernels.quantized_linear(x, weight)
+    for i in (0, 17, 39):
+        assert torch.equal(kernels.quantized_linear(x[i:i + 1], weight), batched[i:i + 1])
+
+
+def test_tiny_model_with_triton_kernels_matches_reference(tiny_checkpoint):
+    """The whole tiny model with ``kernels="triton"`` against the reference arithmetic."""
+    from model.batch import ForwardBatch
+    from model.cache import V41Cache
+    from model.loader import load_model
+    from model.transformer import ModelOptions
+
+    logits = {}
+    for kernels in ("reference", "triton"):
+        model = load_model(tiny_checkpoint, ModelOptions(batch_invariant=False, kernels=kernels), device())
+        cache = V41Cache.allocate(model.cfg, 4, 1, 128, device())
+        tokens = [(i * 37) % model.cfg.vocab_size for i in range(24)]
+        batch = ForwardBatch.build([tokens], [0], [0], [[1]], device=device())
+        logits[kernels] = model.logits(model.forward(batch, cache)).cpu()
+    ref, got = logits["reference"], logits["triton"]
+    assert torch.equal(ref.argmax(-1), got.argmax(-1))
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_head_logits_match_reference():
+    from model.kernels.triton_backend import TritonKernels
+
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(5, 192, generator=gen).bfloat16()
+    head = (torch.randn(100, 192, generator=gen) * 0.05).bfloat16()
+    ref = ReferenceKernels(batch_invariant=False).logits(hidden, head)
+    got = TritonKernels().logits(hidden.to(device()), head.to(device())).cpu()
+    assert got.dtype == torch.float32
+    # fp32 sums of the same exact products in another order: a few fp32 ulps of the row's scale
+    assert torch.allclose(got, ref, rtol=0, atol=float(ref.abs().max()) * 2.0 ** -18)

@@ -1,0 +1,102 @@
+"""Triton kernels at the real DeepSeek-V4.1-Flash shapes on CUDA (skipped without a GPU).
+
+Same checks and tolerance as ``test_triton_kernels.py`` (see its docstring), at M = 1, 7, 64, 300
+and the K/N of the real layers, plus batch invariance: a row computed alone, in a decode-sized
+batch and in a prefill-sized batch (which take different tile configs) is bit-identical.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.config import WeightFormat
+from model.kernels import ExpertWeights, QuantizedWeight
+from model.kernels.reference import ReferenceKernels
+
+from test_triton_kernels import assert_close_to_reference, assert_experts_close_to_reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+# (N, K) of the FP8 projections of a V4.1-Flash layer
+FP8_SHAPES = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wkv": (512, 5120), "wo_b": (5120, 8192),
+              "indexer_wq_b": (4096, 1280), "shared_w1": (2304, 5120), "shared_w2": (5120, 2304)}
+D, INTER, EXPERTS, TOP_K = 5120, 2304, 384, 6
+
+
+def fp8_weight(n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
+    values = (torch.randn(n, k, device="cuda", generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    exponents = torch.randint(118, 124, (-(-n // 32), k // 32), device="cuda", generator=gen, dtype=torch.uint8)
+    return QuantizedWeight(values, exponents.view(torch.float8_e8m0fnu), WeightFormat.FP8)
+
+
+def fp4_stack(experts: int, n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
+    packed = torch.randint(-128, 128, (experts, n, k // 2), device="cuda", generator=gen, dtype=torch.int8)
+    exponents = torch.randint(117, 121, (experts, n, k // 32), device="cuda", generator=gen, dtype=torch.uint8)
+    return QuantizedWeight(packed, exponents.view(torch.float8_e8m0fnu), WeightFormat.FP4)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from model.kernels.triton_backend import TritonKernels
+
+    return TritonKernels(), ReferenceKernels(batch_invariant=False)
+
+
+@pytest.mark.parametrize("name", list(FP8_SHAPES))
+def test_fp8_linear_real_shapes(kernels, name):
+    triton_k, reference = kernels
+    gen = torch.Generator(device="cuda").manual_seed(hash(name) % 1000)
+    n, k = FP8_SHAPES[name]
+    weight = fp8_weight(n, k, gen)
+    x = torch.randn(300, k, device="cuda", generator=gen).bfloat16()
+    full = triton_k.quantized_linear(x, weight)
+    assert_close_to_reference(full, reference.quantized_linear(x, weight))
+    for m in (1, 7, 64):  # other tile configs, same rows: bit-identical
+        assert torch.equal(triton_k.quantized_linear(x[:m], weight), full[:m]), f"M={m}"
+
+
+def test_fp8_linear_prefill_rows_equal_decode_rows(kernels):
+    triton_k, _ = kernels
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    weight = fp8_weight(4096, 1280, gen)
+    x = torch.randn(4096, 1280, device="cuda", generator=gen).bfloat16()
+    full = triton_k.quantized_linear(x, weight)
+    for rows in (slice(0, 1), slice(100, 107), slice(4000, 4064)):
+        assert torch.equal(triton_k.quantized_linear(x[rows], weight), full[rows])
+
+
+def test_grouped_output_projection_real_shape(kernels):
+    triton_k, reference = kernels
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    weight = fp8_weight(8 * 1024, 4096, gen)
+    x = torch.randn(64, 8, 4096, device="cuda", generator=gen).bfloat16()
+    got = triton_k.grouped_dequantized_linear(x, weight)
+    assert_close_to_reference(got, reference.grouped_dequantized_linear(x, weight))
+    assert torch.equal(triton_k.grouped_dequantized_linear(x[:1], weight), got[:1])
+
+
+def test_head_logits_real_shape(kernels):
+    triton_k, reference = kernels
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    head = (torch.randn(129280, D, device="cuda", generator=gen) * 0.02).bfloat16()
+    hidden = torch.randn(7, D, device="cuda", generator=gen).bfloat16()
+    got, ref = triton_k.logits(hidden, head), reference.logits(hidden, head)
+    assert torch.allclose(got, ref, rtol=0, atol=float(ref.abs().max()) * 2.0 ** -16)
+    assert torch.equal(triton_k.logits(hidden[:1], head), got[:1])
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
+def test_fp4_moe_real_shapes(kernels, tokens):
+    triton_k, reference = kernels
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    experts = ExpertWeights(fp4_stack(EXPERTS, INTER, D, gen), fp4_stack(EXPERTS, INTER, D, gen),
+                            fp4_stack(EXPERTS, D, INTER, gen), first_expert=0, swiglu_limit=10.0)
+    x = torch.randn(tokens, D, device="cuda", generator=gen).bfloat16()
+    ids = torch.rand(tokens, EXPERTS, device="cuda", generator=gen).topk(TOP_K, dim=-1).indices.reshape(-1)
+    pair_token = torch.arange(tokens * TOP_K, device="cuda") // TOP_K
+    weights = torch.rand(tokens * TOP_K, device="cuda", generator=gen)
+    got = triton_k.expert_outputs(x, pair_token, ids, weights, experts)
+    assert_experts_close_to_reference(got, reference.expert_outputs(x, pair_token, ids, weights, experts))
+    one = triton_k.expert_outputs(x[:1], pair_token[:TOP_K], ids[:TOP_K], weights[:TOP_K], experts)
+    assert torch.equal(one, got[:TOP_K]), "a token's expert outputs depend on its batch"
