@@ -1,15 +1,23 @@
-"""Parity with DeepSeek's official V4.1 reference on the public golden set (reference mode).
+"""Parity with DeepSeek's official V4.1 reference on the public golden set.
 
-The expensive run (every prefill prefix, every decode step, every component) happens once per
-session: ``model.parity.main`` with ``--dump`` in a child process started after collection (see
-``parity_process`` in conftest), its printed report captured. The tests then read the report and
-the dumped logits.
+The expensive run (every prefill prefix, every decode step, every component, reference mode) happens
+once per session: ``model.parity.main`` with ``--dump`` in a child process started after collection
+(see ``parity_process`` in conftest), its printed report captured. The tests then read the report
+and the dumped logits.
+
+Two verdict levels pass (docs/numerics.md, "The verdict"): BIT-EXACT, which reference mode reaches
+on the golden set's own platform (torch build and ISA, README section 1), and PASS (statistical),
+which faithful runs reach everywhere. The bitwise tests below therefore run only on that platform;
+elsewhere they are skipped, and the statistical criterion is checked instead, on the non-bit-exact
+batch-invariant mode (must pass) and on models with one realistic bug each (must fail).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import platform
 import re
 from pathlib import Path
 
@@ -51,6 +59,26 @@ class ParityRun:
         self.lines = report.splitlines()
 
 
+def _golden_platform(golden_dir: Path) -> tuple[bool, str]:
+    """Whether this is the platform the golden set was computed on (README section 1: the torch
+    version of a CPU build; x86-64), and a sentence saying which platform this is otherwise."""
+    readme = (golden_dir / "README.md").read_text()
+    match = re.search(r"torch (\d+\.\d+\.\d+) \(CPU build\)", readme)
+    assert match, "README section 1 names no torch CPU build"
+    ours = torch.__version__.split("+")[0]
+    same = ours == match.group(1) and torch.version.cuda is None and platform.machine() in ("x86_64", "AMD64")
+    return same, (f"bit-exactness holds on the golden set's platform (torch {match.group(1)} CPU build, x86-64); "
+                  f"this is torch {torch.__version__} on {platform.machine()}, where the statistical verdict applies")
+
+
+@pytest.fixture(scope="module")
+def golden_platform(golden_dir: Path) -> None:
+    """Skips a bitwise test off the golden set's own platform."""
+    same, reason = _golden_platform(golden_dir)
+    if not same:
+        pytest.skip(reason)
+
+
 @pytest.fixture(scope="module")
 def golden_index(golden_dir: Path) -> dict:
     return json.loads((golden_dir / "cases.json").read_text())
@@ -69,6 +97,7 @@ def parity_run(parity_process) -> ParityRun:
     parity.add_arguments(parser)
     args = parser.parse_args(parity_process.argv)
     assert args.batch_invariant is False and args.skip_components is False  # what the child runs
+    assert args.kernels == "reference" and args.device == "cpu"
     exit_code, report, stderr = parity_process.wait()
     returned = re.findall(r"^run_parity returned (.*)$", stderr, flags=re.M)
     assert returned, f"parity did not finish:\n{stderr[-3000:]}"
@@ -88,33 +117,60 @@ def test_golden_copy_matches_its_readme(golden_dir: Path) -> None:
 
 # ----------------------------------------------------------------------------- the report
 def test_run_parity_passes_in_reference_mode(parity_run: ParityRun) -> None:
+    """On any platform: BIT-EXACT or PASS (statistical), exit code 0, no failing component."""
     assert parity_run.returned == "[True]", parity_run.report  # called once, returned True
     assert parity_run.exit_code == 0, parity_run.report
-    assert parity_run.lines[-1] == "PASS", parity_run.report
-    failing = [line for line in parity_run.lines if "FAIL" in line]
+    assert parity_run.lines[-1] in (parity.BIT_EXACT, parity.PASS_STATISTICAL), parity_run.report
+    failing = [line for line in parity_run.lines if line.rstrip().endswith("FAIL")]
     assert not failing, "\n".join(failing)
 
 
+def test_reference_mode_is_bit_exact_on_the_golden_platform(parity_run: ParityRun, golden_platform) -> None:
+    assert parity_run.lines[-1] == parity.BIT_EXACT, parity_run.report
+    assert re.search(r"bit-identical rows\s+(\d+)/\1\s+components exact: (\d+)/\2$", parity_run.report, flags=re.M)
+
+
+def test_report_states_the_criterion(parity_run: ParityRun) -> None:
+    """The verdict's numbers and thresholds are printed, one line per bound."""
+    c = parity.CRITERION
+    text = parity_run.report
+    assert re.search(rf"top-1 agreement\s+\S+%\s+>= {c.min_top1:.1%}\s+ok$", text, flags=re.M), text
+    assert re.search(rf"rows within \S+\s+\S+%\s+>= {c.min_near_fraction:.1%}\s+ok$", text, flags=re.M), text
+    assert re.search(r"95th percentile row error\s+\S+\s+<= 0\.\d+\s+ok$", text, flags=re.M), text
+    assert re.search(r"components within tolerance\s+100\.0%\s+>= 100\.0%\s+ok$", text, flags=re.M), text
+
+
 def test_report_has_one_row_per_case(parity_run: ParityRun, golden_index: dict) -> None:
-    rows = {line.split()[0] for line in parity_run.lines if line and not line.startswith(("parity", "case"))}
+    rows = {line.split()[0] for line in parity_run.lines if line and not line.startswith(("parity", "case", " "))}
     for case in golden_index["prefill"]:
         assert {f"prefill.{case['name']}.prefix", f"prefill.{case['name']}.fullseq"} <= rows
     for case in golden_index["decode"]:
         assert {f"decode.{case['name']}.prefill", f"decode.{case['name']}.steps"} <= rows
 
 
-def test_every_component_check_runs_and_passes(parity_run: ParityRun) -> None:
+def _component_lines(parity_run: ParityRun) -> dict[str, str]:
+    """name -> status (bit-exact, close or FAIL) of every ``comp.`` line."""
     results = {}
     for line in parity_run.lines:
-        if line.startswith("comp."):
-            name = re.split(r"\s{2,}| max | bit-exact| differs", line[len("comp."):])[0].strip()
-            results[name] = line.rstrip().endswith(" ok")
+        match = re.fullmatch(r"comp\.(.+?)\s{2,}.*\s(bit-exact|close|FAIL)", line.rstrip())
+        if match:
+            results[match.group(1)] = match.group(2)
+    return results
+
+
+def test_every_component_check_runs_and_passes(parity_run: ParityRun) -> None:
+    results = _component_lines(parity_run)
     missing = EXPECTED_COMPONENTS - results.keys()
     assert not missing, f"component checks not run: {sorted(missing)}"
-    failed = [name for name, ok in results.items() if not ok]
+    failed = [name for name, status in results.items() if status == "FAIL"]
     assert not failed, f"component checks failed: {failed}"
     # the prefill-then-decode hash check is an extra the parity adds on top of the golden vectors
     assert "engram_hash.hash_ids (prefill+decode)" in results
+
+
+def test_every_component_is_bit_exact_on_the_golden_platform(parity_run: ParityRun, golden_platform) -> None:
+    results = _component_lines(parity_run)
+    assert results and all(status == "bit-exact" for status in results.values()), results
 
 
 # ----------------------------------------------------------------------------- the dump
@@ -144,7 +200,8 @@ def _assert_rows_bitwise(name: str, computed: torch.Tensor, expected: torch.Tens
     return int(rows.sum())
 
 
-def test_tie_free_decode_steps_match_bitwise(parity_run: ParityRun, golden_index: dict, golden_tensors) -> None:
+def test_tie_free_decode_steps_match_bitwise(parity_run: ParityRun, golden_index: dict, golden_tensors,
+                                             golden_platform) -> None:
     """README 5/8: on steps free of top-k ties, reference mode reproduces ``step_logits`` bit for bit."""
     judged = 0
     for case in golden_index["decode"]:
@@ -158,7 +215,7 @@ def test_tie_free_decode_steps_match_bitwise(parity_run: ParityRun, golden_index
     assert judged == sum(case["tie_free_steps"] for case in golden_index["decode"]) == 35
 
 
-def test_quirk_steps_of_d001_are_reproduced(parity_run: ParityRun, golden_tensors) -> None:
+def test_quirk_steps_of_d001_are_reproduced(parity_run: ParityRun, golden_tensors, golden_platform) -> None:
     """The steps where the official hand-off changes the selection are where a naive decode would
     differ: they must match too (the dump came from the official-hand-off model)."""
     quirk = golden_tensors["decode.d001.step_quirk_changes_selection_possible"]
@@ -170,7 +227,8 @@ def test_quirk_steps_of_d001_are_reproduced(parity_run: ParityRun, golden_tensor
     assert not torch.equal(steps[quirk], prefix[quirk])
 
 
-def test_tie_free_prefill_rows_match_bitwise(parity_run: ParityRun, golden_index: dict, golden_tensors) -> None:
+def test_tie_free_prefill_rows_match_bitwise(parity_run: ParityRun, golden_index: dict, golden_tensors,
+                                             golden_platform) -> None:
     judged = 0
     for case in golden_index["prefill"]:
         t, name = case["tensors"], case["name"]
@@ -186,3 +244,112 @@ def test_tie_free_prefill_rows_match_bitwise(parity_run: ParityRun, golden_index
         if bool(tie_free[-1]):
             assert torch.equal(last, golden_tensors[t["last_logits"]])
     assert judged == 145  # README 8: 145 of 251 prefix positions are tie-free
+
+
+# ----------------------------------------------------------------------------- the statistical criterion
+def _stats(errors: list[float], top1: list[bool] | None = None) -> parity.RowStats:
+    e = torch.tensor(errors, dtype=torch.float64)
+    agree = torch.ones(len(errors), dtype=torch.bool) if top1 is None else torch.tensor(top1)
+    return parity.RowStats(len(errors), e, agree, e == 0, torch.ones_like(e), float(e.max()))
+
+
+def test_verdict_levels() -> None:
+    """BIT-EXACT needs identical rows and exact components; otherwise the bounds decide."""
+    from model.parity_components import ComponentResult
+
+    exact, close, off = (ComponentResult("c", True, True, ""), ComponentResult("c", False, True, ""),
+                         ComponentResult("c", False, False, ""))
+    assert parity.judge(_stats([0.0] * 10), [exact]).level == parity.BIT_EXACT
+    assert parity.judge(_stats([0.0] * 10), [exact, close]).level == parity.PASS_STATISTICAL
+    assert parity.judge(_stats([0.0] * 10), [exact, off]).level == parity.FAIL
+    # the faithful pattern: most rows within rounding noise, a few rounding-born jumps
+    faithful = [1e-6] * 60 + [0.05] * 37 + [0.3, 0.4, 0.8]
+    assert parity.judge(_stats(faithful), []).level == parity.PASS_STATISTICAL
+    assert parity.judge(_stats(faithful, [True] * 96 + [False] * 4), []).level == parity.PASS_STATISTICAL
+    # each bound on its own
+    assert parity.judge(_stats(faithful, [True] * 94 + [False] * 6), []).level == parity.FAIL  # top-1 94%
+    assert parity.judge(_stats([1e-6] * 39 + [0.05] * 61), []).level == parity.FAIL  # 39% near
+    assert parity.judge(_stats([1e-6] * 60 + [0.05] * 34 + [0.6] * 6), []).level == parity.FAIL  # tail
+
+
+def test_exit_code_follows_the_verdict(monkeypatch, golden_dir: Path) -> None:
+    parser = argparse.ArgumentParser()
+    parity.add_arguments(parser)
+    args = parser.parse_args(["--golden", str(golden_dir), "--kernels", "triton", "--device", "cuda"])
+    seen = {}
+    for level, code in ((parity.BIT_EXACT, 0), (parity.PASS_STATISTICAL, 0), (parity.FAIL, 1)):
+        def fake_run(*_, level=level, **kwargs):
+            seen.update(kwargs)
+            return parity.ParityReport(parity.Verdict(level, [], _stats([0.0]), 0, 0))
+        monkeypatch.setattr(parity, "run_parity", fake_run)
+        assert parity.main(args) == code, level
+    assert seen["kernels"] == "triton" and seen["device"] == "cuda"
+
+
+def test_kernel_choice_reaches_model_options() -> None:
+    """The default leaves ``ModelOptions`` as it is; another backend is passed when the model has
+    a kernel choice, and refused clearly when it has none."""
+    from dataclasses import fields
+
+    from model.transformer import ModelOptions
+
+    assert parity.model_options(False, "reference") == ModelOptions(False, reference_layout=True)
+    if "kernels" in {f.name for f in fields(ModelOptions)}:
+        assert parity.model_options(False, "triton").kernels == "triton"
+    else:
+        with pytest.raises(ValueError, match="no kernel backends"):
+            parity.model_options(False, "triton")
+
+
+def test_batch_invariant_mode_passes_statistically(golden_dir: Path) -> None:
+    """Batch-invariant GEMMs round differently from the reference's M-row prefill GEMMs: a faithful
+    computation that is not bit-exact even here (about half the judged rows differ)."""
+    out = io.StringIO()
+    report = parity.run_parity(golden_dir, batch_invariant=True, out=out)
+    assert report.level == parity.PASS_STATISTICAL, out.getvalue()
+    assert not report.total.bit_exact and report.total.identical_rows < report.total.judged // 2 + 20
+
+
+def _golden_with_config(golden_dir: Path, target: Path, changes: dict) -> Path:
+    """The golden set with a changed ``text_config`` (everything else linked, not copied)."""
+    (target / "checkpoint").mkdir(parents=True)
+    for name in ("cases.json", "cases.safetensors", "README.md"):
+        (target / name).symlink_to(golden_dir / name)
+    for path in (golden_dir / "checkpoint").iterdir():
+        if path.name != "config.json":
+            (target / "checkpoint" / path.name).symlink_to(path)
+    config = json.loads((golden_dir / "checkpoint" / "config.json").read_text())
+    config["text_config"].update(changes)
+    (target / "checkpoint" / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def _skip_window_fp8(monkeypatch) -> None:
+    import model.attention
+
+    monkeypatch.setattr(model.attention, "fp8_qdq", lambda x, block=32: x)
+
+
+# name -> (config changes, code change, bounds that must fail)
+PERTURBED = {
+    "window_one_short": ({"sliding_window": 15}, None, ("top-1",)),
+    "one_sinkhorn_iteration_less": ({"hc_sinkhorn_iters": 19}, None, ("rows within",)),
+    "window_kv_fp8_round_trip_skipped": ({}, _skip_window_fp8, ("top-1", "rows within", "95th percentile")),
+}
+
+
+@pytest.mark.parametrize("name", list(PERTURBED))
+def test_models_with_one_realistic_bug_fail(name: str, golden_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """Each is a bug a port could plausibly have: an off-by-one window or Sinkhorn loop, a skipped
+    FP8 round trip of the window KV; each fails a different bound. Figures for these and more
+    (norm eps, dropped sink, rope, MoE scale, top-k) on three platforms: docs/numerics.md."""
+    changes, patch, must_fail = PERTURBED[name]
+    golden = _golden_with_config(golden_dir, tmp_path / "golden", changes) if changes else golden_dir
+    if patch:
+        patch(monkeypatch)
+    out = io.StringIO()
+    report = parity.run_parity(golden, out=out)
+    assert report.level == parity.FAIL, out.getvalue()
+    failed = [check.name for check in report.verdict.checks if not check.passed]
+    for bound in must_fail:
+        assert any(check.startswith(bound) for check in failed), f"{bound} passed:\n{out.getvalue()}"
