@@ -48,12 +48,12 @@ difference over max |reference|); where the reference is skipped, with the refer
 of the rows (the Triton kernels are batch invariant, so a row's result does not depend on M). The
 script stops with exit status 1 if any difference exceeds 1e-2 or any output is not finite.
 
-``--tune`` sweeps tile configs (BLOCK_M 64, BLOCK_N 16..128, 3-5 stages, 4 warps; BLOCK_N >= 32 for
-the experts, whose epilogue quantizes groups of 32 columns) for the GEMMs and the experts at the
-decode M values, by overriding ``model.kernels.tile_configs._GEMM_TABLE`` /
-``_MOE_TABLE`` for the duration of each measurement, and prints the best config per (kernel, M).
-Every config keeps BLOCK_M >= 64 and a multiple of 4 warps (what batch invariance needs); each
-one's output is compared bit for bit with the default config's.
+``--tune`` sweeps tile configs for the FP8 linears (64 tokens x 16-128 features per tile) and the
+experts (16-64 tokens x 64-128 weight rows per tile), 3-5 stages, 4 warps per 64 rows of the
+tensor cores' 64-row side, at the decode M values, by overriding
+``model.kernels.tile_configs._BF16_MM_TABLE`` / ``_MOE_TABLE`` for the duration of each measurement,
+and prints the best config per (kernel, M). Every config keeps that side (what batch invariance
+needs); each one's output is compared bit for bit with the default config's.
 
 Progress goes to stderr; the markdown tables are printed last on stdout; ``--json PATH`` writes
 every number. ``--device cpu`` (with ``--tiny``) sets TRITON_INTERPRET=1 itself when it is unset.
@@ -721,8 +721,10 @@ class Bench:
 
     # ------------------------------------------------------------ tile-config sweep
     def run_tune(self, ms: list[int]) -> None:
+        # one side of every config stays on the tensor cores' 64-row side (batch invariance), 4 warps
+        # per 64 rows: the tokens for the FP8 linears (triton_bf16_mm), the weight rows for the experts
         gemm_cfgs = [TileConfig(64, bn, 4, st) for bn in (16, 32, 64, 128) for st in (3, 4, 5)]
-        moe_cfgs = [TileConfig(64, bn, 4, st) for bn in (32, 64, 128) for st in (3, 4, 5)]
+        moe_cfgs = [TileConfig(bm, bn, bn // 16, st) for bm in (16, 32, 64) for bn in (64, 128) for st in (3, 4, 5)]
         if self.args.tiny:
             gemm_cfgs, moe_cfgs = gemm_cfgs[1::3], moe_cfgs[1::3]  # the logic, not the numbers
         budget = (self.budget_fast[0] * 0.4, self.budget_fast[1], self.budget_fast[2])
@@ -735,7 +737,7 @@ class Bench:
                 fn = self.tk.grouped_dequantized_linear if spec.groups > 1 else self.tk.quantized_linear
                 nbytes, flops = linear_bytes(spec, m, ws[0])
                 limit_s = limit_of(nbytes, flops, self.ceil)[2]
-                default = tile_configs.gemm_config(m, spec.n, spec.k)
+                default = tile_configs.bf16_mm_config(m)
                 self._sweep(spec.name, m, limit_s, default, gemm_cfgs, "gemm",
                             lambda i: fn(xs[i % nx], ws[i % len(ws)]), budget)
                 del xs
@@ -779,15 +781,15 @@ class Bench:
 @contextlib.contextmanager
 def override_tables(gemm=None, moe=None):
     """Every M takes ``gemm`` / ``moe`` while inside (the tables are read at each call)."""
-    saved = tile_configs._GEMM_TABLE, tile_configs._MOE_TABLE
+    saved = tile_configs._BF16_MM_TABLE, tile_configs._MOE_TABLE
     try:
         if gemm is not None:
-            tile_configs._GEMM_TABLE = ((1 << 62, gemm),)
+            tile_configs._BF16_MM_TABLE = ((1 << 62, gemm),)
         if moe is not None:
             tile_configs._MOE_TABLE = ((1 << 62, moe),)
         yield
     finally:
-        tile_configs._GEMM_TABLE, tile_configs._MOE_TABLE = saved
+        tile_configs._BF16_MM_TABLE, tile_configs._MOE_TABLE = saved
 
 
 def cfg_text(cfg) -> str:
@@ -862,7 +864,7 @@ def markdown(env: dict, ceil: Ceilings, bench: Bench, shapes_name: str) -> str:
 
 
 def tune_markdown(bench: Bench) -> str:
-    lines = ["## Tile-config sweep (BLOCK_M 64, 4 warps)", "",
+    lines = ["## Tile-config sweep", "",
              "| kernel | M | default | default µs | best | best µs | gain | best % of limit |",
              "|---|---:|---|---:|---|---:|---:|---:|"]
     for e in bench.tune:

@@ -68,7 +68,7 @@ class Attention:
         for part in (self.compressor, self.indexer):
             if part is not None:
                 part.to(device)
-        self.rope.to(device)
+        self.rope = self.rope.to(device)
         return self
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, cache: V41Cache, state: ForwardState) -> torch.Tensor:

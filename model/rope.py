@@ -9,6 +9,7 @@ the trailing ``rope_head_dim`` dims, and the result is written back in the tenso
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -32,25 +33,58 @@ def rope_frequencies(dim: int, theta: float, factor: float, original_len: int,
     return freqs
 
 
+# Tables shared by every layer of one kind (compressed or not) of one config, per device: a table
+# covers every position up to max_position_embeddings, 256 MB at V4.1's 1M positions, so one copy
+# per layer would cost gigabytes. Entries live as long as a layer holds them.
+_SHARED: "weakref.WeakValueDictionary[tuple, RotaryTable]" = weakref.WeakValueDictionary()
+
+
+def _canonical(device: torch.device | str) -> torch.device:
+    """``cuda`` -> ``cuda:<current>``, so that one device has one key."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class RotaryTable:
     """Complex rotations ``exp(i * p * freq)`` for every position up to ``max_positions``."""
 
     def __init__(self, freqs: torch.Tensor, max_positions: int, device: torch.device | str = "cpu"):
         angles = torch.outer(torch.arange(max_positions), freqs)
         self.table = torch.polar(torch.ones_like(angles), angles).to(device)
+        self.key: tuple = ()  # (config, compressed) of a shared table
 
     @classmethod
     def for_layer(cls, cfg: V41Config, compress_ratio: int, device: torch.device | str = "cpu") -> "RotaryTable":
-        if compress_ratio:
-            freqs = rope_frequencies(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.rope_factor,
-                                     cfg.original_max_position_embeddings, cfg.beta_fast, cfg.beta_slow)
-        else:
-            freqs = rope_frequencies(cfg.rope_head_dim, cfg.rope_theta, 1.0, 0, cfg.beta_fast, cfg.beta_slow)
-        return cls(freqs, cfg.max_position_embeddings, device)
+        """The table of a layer with this compress ratio: shared with every layer of the same kind."""
+        return cls._shared((cfg, bool(compress_ratio)), _canonical(device))
+
+    @classmethod
+    def _shared(cls, key: tuple, device: torch.device) -> "RotaryTable":
+        table = _SHARED.get((*key, device))
+        if table is None:
+            cfg, compressed = key
+            if compressed:
+                freqs = rope_frequencies(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.rope_factor,
+                                         cfg.original_max_position_embeddings, cfg.beta_fast, cfg.beta_slow)
+            else:
+                freqs = rope_frequencies(cfg.rope_head_dim, cfg.rope_theta, 1.0, 0, cfg.beta_fast, cfg.beta_slow)
+            table = cls(freqs, cfg.max_position_embeddings, device)
+            table.key = key
+            _SHARED[(*key, device)] = table
+        return table
 
     def to(self, device: torch.device | str) -> "RotaryTable":
-        self.table = self.table.to(device)
-        return self
+        """The shared table on ``device`` (this one if it is there already); never moves this one."""
+        device = _canonical(device)
+        if self.table.device == device:
+            return self
+        if not self.key:
+            moved = RotaryTable.__new__(RotaryTable)
+            moved.table, moved.key = self.table.to(device), ()
+            return moved
+        return RotaryTable._shared(self.key, device)
 
     def rotate_(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotate the trailing ``rope_head_dim`` dims of ``x`` in place.

@@ -29,7 +29,7 @@ from model.checkpoint_maker import quantize_fp8  # noqa: E402
 from model.config import WeightFormat  # noqa: E402
 from model.kernels import ExpertWeights, QuantizedWeight  # noqa: E402
 from model.kernels.reference import ReferenceKernels  # noqa: E402
-from model.quant import fp8_qdq, pack_e2m1  # noqa: E402
+from model.quant import fp8_qdq, fp8_quantize, pack_e2m1  # noqa: E402
 
 
 def random_weight(fmt: WeightFormat, n: int, k: int, gen: torch.Generator, experts: int | None = None):
@@ -65,14 +65,18 @@ def device() -> str:
 
 
 def test_act_quant_is_bit_exact():
-    from model.kernels.triton_gemm import act_quant
+    from model.kernels.triton_scaled_mm import act_quant
 
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(9, 320, generator=gen) * torch.logspace(-6, 3, 320)  # every exponent range, subnormal e4m3 too
     x[0, :32] = 0.0  # an all-zero group takes the 1e-4 floor
     x[1, 32:64] = 1e-30
     x = x.bfloat16()
-    assert torch.equal(act_quant(x.to(device())).cpu(), fp8_qdq(x, 32))
+    q, scales = act_quant(x.to(device()))
+    ref_q, ref_scales = fp8_quantize(x, 32)
+    assert torch.equal(q.cpu().float(), ref_q.float())  # e4m3 values, held in fp16
+    assert torch.equal(scales.cpu(), ref_scales)
+    assert torch.equal((q.float() * scales.repeat_interleave(32, 1)).bfloat16().cpu(), fp8_qdq(x, 32))
 
 
 @pytest.mark.parametrize("fmt", [WeightFormat.FP8, WeightFormat.FP4])

@@ -1,10 +1,12 @@
-"""Tile configurations of the Triton kernels, chosen by shape from a fixed table.
+"""Tile configurations of the Triton kernels, chosen by shape from fixed tables.
 
-The table was tuned offline on one H200 (``benchmarks/kernels.py --tune``); nothing is autotuned
-while serving, so the first request pays no tuning and every process picks the same tiles. Every
-config keeps ``BLOCK_M >= 64`` and ``num_warps`` a multiple of 4, so all of them use the same
-tensor-core instruction shape and sum K in the same order: which config a shape gets never changes
-a row's result (batch invariance).
+Nothing is autotuned while serving, so the first request pays no tuning and every process picks
+the same tiles (``benchmarks/kernels.py --tune`` sweeps candidates offline on one H200). Batch
+invariance needs every config of a kernel to use the same tensor-core instruction shape, so that
+which config a batch gets never changes a row's result: the 64-row side of the instruction is
+one side: the weight side for ``triton_scaled_mm`` and the experts (``block_n >= 64``), the token
+side for ``triton_bf16_mm`` (``block_m >= 64``), with 4 warps per 64 rows. ``block_m`` counts tokens
+(the experts' kernels: the tokens of one expert per block), ``block_n`` output features.
 """
 
 from __future__ import annotations
@@ -14,34 +16,47 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class TileConfig:
-    block_m: int
-    block_n: int
+    block_m: int  # tokens per tile
+    block_n: int  # output features (weight rows) per tile
     num_warps: int
     num_stages: int
 
 
-# (largest M, config): the first row whose M bound holds is used
-_GEMM_TABLE: tuple[tuple[int, TileConfig], ...] = (
-    (64, TileConfig(64, 32, 4, 4)),  # decode: small tiles along N so enough programs stream the weight
-    (256, TileConfig(64, 64, 4, 4)),
+# (largest M, config): the first row whose bound holds is used
+_SCALED_MM_TABLE: tuple[tuple[int, TileConfig], ...] = (  # FP4 linears
+    (16, TileConfig(16, 64, 4, 4)),  # decode: one 16-token tile, many programs streaming the weight
+    (64, TileConfig(64, 64, 4, 4)),
     (1 << 62, TileConfig(128, 128, 8, 3)),  # prefill: tensor-core tiles
 )
 
-_MOE_TABLE: tuple[tuple[int, TileConfig], ...] = (
-    (8, TileConfig(64, 32, 4, 4)),  # at most a few tokens per expert: stream the experts' weights
-    (1 << 62, TileConfig(64, 64, 4, 4)),
+_MOE_TABLE: tuple[tuple[int, TileConfig], ...] = (  # bound: mean pairs per expert
+    (16, TileConfig(16, 64, 4, 4)),
+    (1 << 62, TileConfig(64, 128, 8, 3)),
+)
+
+# the bf16-operand kernel (FP8 linears, wo_a, head) keeps the token side on the 64-row side
+# (block_m >= 64 tokens, 4 warps per 64)
+_BF16_MM_TABLE: tuple[tuple[int, TileConfig], ...] = (
+    (64, TileConfig(64, 32, 4, 4)),  # decode: narrow tiles along N so enough programs stream the weight
+    (256, TileConfig(64, 64, 4, 4)),
+    (1 << 62, TileConfig(128, 128, 8, 3)),
 )
 
 
-def gemm_config(m: int, n: int, k: int) -> TileConfig:
-    for bound, cfg in _GEMM_TABLE:
-        if m <= bound:
+def _pick(table: tuple[tuple[int, TileConfig], ...], size: float) -> TileConfig:
+    for bound, cfg in table:
+        if size <= bound:
             return cfg
-    raise AssertionError("unreachable: the last row takes every M")
+    raise AssertionError("unreachable: the last row takes every size")
+
+
+def scaled_mm_config(m: int) -> TileConfig:
+    return _pick(_SCALED_MM_TABLE, m)
 
 
 def moe_config(pairs_per_expert: float) -> TileConfig:
-    for bound, cfg in _MOE_TABLE:
-        if pairs_per_expert <= bound:
-            return cfg
-    raise AssertionError("unreachable: the last row takes every M")
+    return _pick(_MOE_TABLE, pairs_per_expert)
+
+
+def bf16_mm_config(m: int) -> TileConfig:
+    return _pick(_BF16_MM_TABLE, m)

@@ -1,21 +1,22 @@
-"""Triton kernels of the routed experts (twin: ``reference.py::ReferenceKernels.expert_outputs``).
+"""Triton kernels of the routed experts (twin: ``ReferenceKernels.expert_outputs``).
 
 One MoE layer's routed experts in three steps, with no host synchronisation:
 
-1. ``align_pairs`` (torch ops on the device): (token, expert) pairs are sorted by expert, and the
-   sorted list is cut into blocks of ``BLOCK_M`` rows that never straddle two experts. The grid
-   size is fixed from the shapes alone (``ceil(P / BLOCK_M) + min(E, P)`` blocks at most); blocks
-   past the last real one exit at once.
-2. ``_gate_up_kernel``: per (block, column tile), the block's token rows (gathered, FP8 round trip
-   already applied) times the expert's ``w1`` and ``w3`` tiles (expanded in registers from FP4/FP8,
-   see ``triton_gemm.weight_tile``), both accumulated in fp32; the epilogue rounds both to bf16 as
-   the reference's projections do, applies the clamped SwiGLU and the routing weight, rounds to
-   bf16 and applies the FP8 round trip that the down projection's input takes (groups of 32 lie
-   inside one column tile), and writes the hidden rows in sorted order.
-3. ``_down_kernel``: per (block, column tile), the hidden rows times the expert's ``w2``; each row
-   is written to its pair's place in the output.
+1. ``align_pairs`` (torch ops on the device): (token, expert) pairs are sorted by expert and the
+   sorted list is cut into blocks of ``block_m`` pairs that never straddle two experts. The grid
+   is sized from the shapes alone (``ceil(P / block_m) + min(E, P)`` blocks at most); blocks past
+   the last real one exit at once.
+2. ``_gate_up_kernel``: per (block, tile of the intermediate dimension), the block's token rows
+   (e4m3 values and scales from ``act_quant``, gathered) times the expert's ``w1`` and ``w3``,
+   32-block by 32-block as in ``triton_scaled_mm``; the epilogue rounds both to bf16 as the
+   reference's projections do, applies the clamped SwiGLU and the routing weight, rounds to bf16,
+   and quantizes the result in groups of 32 (the down projection's activation quantization: the
+   groups lie inside one tile), writing e4m3 values and scales in sorted order.
+3. ``_down_kernel``: per (block, tile of the hidden dimension), those rows times the expert's
+   ``w2``; each row is written to its pair's place in the output.
 
-A pair's computation depends only on its own row (fixed K order, no split-K): batch invariant.
+A pair's computation depends only on its own row (fixed K order, no split-K, one instruction shape
+for every config): batch invariant.
 """
 
 from __future__ import annotations
@@ -25,17 +26,18 @@ import triton
 import triton.language as tl
 
 from .tile_configs import moe_config
-from .triton_gemm import BLOCK_K, FORMAT_CODES, INTERPRETED, qdq_groups_of_32, to_bf16, weight_tile
+from .triton_common import INTERPRETED, quantize_groups_of_32, to_bf16
+from .triton_scaled_mm import FORMAT_CODES, act_quant, scaled_block_dot, weight_block, weight_scale
 from .weights import ExpertWeights
 
 
 @triton.jit
 def _block_rows(block_expert_ptr, block_index_ptr, expert_start_ptr, expert_count_ptr, sorted_pair_ptr, pid_b,
-                BLOCK_M: tl.constexpr):
+                BLOCK_T: tl.constexpr):
     """(expert, row mask, pair ids) of one block of the sorted pair list; expert < 0: no work."""
     expert = tl.load(block_expert_ptr + pid_b)
     safe = tl.maximum(expert, 0)
-    rows = tl.load(block_index_ptr + pid_b) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(block_index_ptr + pid_b) * BLOCK_T + tl.arange(0, BLOCK_T)
     count = tl.where(expert >= 0, tl.load(expert_count_ptr + safe), 0)
     row_mask = rows < count
     pairs = tl.load(sorted_pair_ptr + tl.load(expert_start_ptr + safe) + rows, mask=row_mask, other=0)
@@ -43,75 +45,73 @@ def _block_rows(block_expert_ptr, block_index_ptr, expert_start_ptr, expert_coun
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_ptr, expert_start_ptr, expert_count_ptr,
-                    block_expert_ptr, block_index_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
-                    D, INTER, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, limit,
-                    B_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _gate_up_kernel(q_ptr, qs_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_ptr, expert_start_ptr,
+                    expert_count_ptr, block_expert_ptr, block_index_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, hq_ptr, hs_ptr,
+                    D, INTER, stride_q, stride_qs, stride_we, stride_wn, stride_se, stride_sn, stride_hq, stride_hs,
+                    limit, B_FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
                     INTERPRETED: tl.constexpr):
-    pid_n, pid_b = tl.program_id(0), tl.program_id(1)
+    pid_w, pid_b = tl.program_id(0), tl.program_id(1)
     expert, row_mask, pairs = _block_rows(block_expert_ptr, block_index_ptr, expert_start_ptr, expert_count_ptr,
-                                          sorted_pair_ptr, pid_b, BLOCK_M)
+                                          sorted_pair_ptr, pid_b, BLOCK_T)
     if expert < 0:
         return
-    tokens = tl.load(pair_token_ptr + pairs, mask=row_mask, other=0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    w1_ptr += expert.to(tl.int64) * stride_we
-    w3_ptr += expert.to(tl.int64) * stride_we
-    s1_ptr += expert.to(tl.int64) * stride_se
-    s3_ptr += expert.to(tl.int64) * stride_se
-    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(x_ptr + tokens[:, None].to(tl.int64) * stride_x + offs_k[None, :],
-                    mask=row_mask[:, None] & (offs_k[None, :] < D), other=0.0)
-        b1 = weight_tile(w1_ptr, s1_ptr, k0, offs_n, INTER, D, stride_wn, stride_sn, B_FMT, BLOCK_K)
-        b3 = weight_tile(w3_ptr, s3_ptr, k0, offs_n, INTER, D, stride_wn, stride_sn, B_FMT, BLOCK_K)
-        if INTERPRETED:
-            gate = tl.dot(a.to(tl.float32), b1.to(tl.float32), gate, input_precision="ieee")
-            up = tl.dot(a.to(tl.float32), b3.to(tl.float32), up, input_precision="ieee")
-        else:
-            gate = tl.dot(a, b1, gate)
-            up = tl.dot(a, b3, up)
-    gate = to_bf16(gate, INTERPRETED).to(tl.float32)
+    tokens = tl.load(pair_token_ptr + pairs, mask=row_mask, other=0).to(tl.int64)
+    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    e = expert.to(tl.int64)
+    w1_ptr += e * stride_we
+    w3_ptr += e * stride_we
+    s1_ptr += e * stride_se
+    s3_ptr += e * stride_se
+    gate = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
+    up = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
+    for k0 in range(0, D, 32):
+        a = tl.load(q_ptr + tokens[None, :] * stride_q + (k0 + tl.arange(0, 32))[:, None], mask=row_mask[None, :],
+                    other=0.0)
+        a_scale = tl.load(qs_ptr + tokens * stride_qs + k0 // 32, mask=row_mask, other=0.0)
+        gate = scaled_block_dot(gate, weight_block(w1_ptr, offs_w, k0, INTER, stride_wn, B_FMT, BLOCK_W), a,
+                                weight_scale(s1_ptr, offs_w, k0 // 32, INTER, stride_sn, B_FMT), a_scale, INTERPRETED)
+        up = scaled_block_dot(up, weight_block(w3_ptr, offs_w, k0, INTER, stride_wn, B_FMT, BLOCK_W), a,
+                              weight_scale(s3_ptr, offs_w, k0 // 32, INTER, stride_sn, B_FMT), a_scale, INTERPRETED)
+    gate = to_bf16(gate, INTERPRETED).to(tl.float32)  # the reference's w1(x) and w3(x) are bf16
     up = to_bf16(up, INTERPRETED).to(tl.float32)
     if limit > 0:
         up = tl.minimum(tl.maximum(up, -limit), limit)
         gate = tl.minimum(gate, limit)
     weight = tl.load(pair_weight_ptr + pairs, mask=row_mask, other=0.0)
-    hidden = to_bf16(weight[:, None] * (gate / (1.0 + tl.exp(-gate)) * up), INTERPRETED).to(tl.float32)
-    hidden = qdq_groups_of_32(hidden, BLOCK_M, BLOCK_N)
-    rows = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
-    tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_h + offs_n[None, :], hidden.to(tl.bfloat16),
-             mask=row_mask[:, None] & (offs_n[None, :] < INTER))
+    hidden = to_bf16(weight[None, :] * (gate / (1.0 + tl.exp(-gate)) * up), INTERPRETED).to(tl.float32)
+    q, scale = quantize_groups_of_32(tl.trans(hidden), BLOCK_T, BLOCK_W)  # [tokens, features]
+    rows = (pid_b * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    tl.store(hq_ptr + rows[:, None] * stride_hq + offs_w[None, :], q.to(tl.float16),
+             mask=row_mask[:, None] & (offs_w[None, :] < INTER))
+    blocks = pid_w * (BLOCK_W // 32) + tl.arange(0, BLOCK_W // 32)
+    tl.store(hs_ptr + rows[:, None] * stride_hs + blocks[None, :], scale,
+             mask=row_mask[:, None] & (blocks[None, :] < INTER // 32))
 
 
 @triton.jit
-def _down_kernel(h_ptr, out_ptr, sorted_pair_ptr, expert_start_ptr, expert_count_ptr, block_expert_ptr,
-                 block_index_ptr, w2_ptr, s2_ptr, INTER, D, stride_h, stride_out, stride_we, stride_wn, stride_se,
-                 stride_sn, B_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
-    pid_n, pid_b = tl.program_id(0), tl.program_id(1)
+def _down_kernel(hq_ptr, hs_ptr, out_ptr, sorted_pair_ptr, expert_start_ptr, expert_count_ptr, block_expert_ptr,
+                 block_index_ptr, w2_ptr, s2_ptr, INTER, D, stride_hq, stride_hs, stride_out, stride_we, stride_wn,
+                 stride_se, stride_sn, B_FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
+    pid_w, pid_b = tl.program_id(0), tl.program_id(1)
     expert, row_mask, pairs = _block_rows(block_expert_ptr, block_index_ptr, expert_start_ptr, expert_count_ptr,
-                                          sorted_pair_ptr, pid_b, BLOCK_M)
+                                          sorted_pair_ptr, pid_b, BLOCK_T)
     if expert < 0:
         return
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
-    w2_ptr += expert.to(tl.int64) * stride_we
-    s2_ptr += expert.to(tl.int64) * stride_se
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, INTER, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + offs_k[None, :],
-                    mask=row_mask[:, None] & (offs_k[None, :] < INTER), other=0.0)
-        b = weight_tile(w2_ptr, s2_ptr, k0, offs_n, D, INTER, stride_wn, stride_sn, B_FMT, BLOCK_K)
-        if INTERPRETED:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-    tl.store(out_ptr + pairs[:, None].to(tl.int64) * stride_out + offs_n[None, :], to_bf16(acc, INTERPRETED),
-             mask=row_mask[:, None] & (offs_n[None, :] < D))
+    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    rows = (pid_b * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    e = expert.to(tl.int64)
+    w2_ptr += e * stride_we
+    s2_ptr += e * stride_se
+    acc = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
+    for k0 in range(0, INTER, 32):
+        a = tl.load(hq_ptr + rows[None, :] * stride_hq + (k0 + tl.arange(0, 32))[:, None], mask=row_mask[None, :],
+                    other=0.0)
+        a_scale = tl.load(hs_ptr + rows * stride_hs + k0 // 32, mask=row_mask, other=0.0)
+        acc = scaled_block_dot(acc, weight_block(w2_ptr, offs_w, k0, D, stride_wn, B_FMT, BLOCK_W), a,
+                               weight_scale(s2_ptr, offs_w, k0 // 32, D, stride_sn, B_FMT), a_scale, INTERPRETED)
+    tl.store(out_ptr + pairs[None, :].to(tl.int64) * stride_out + offs_w[:, None], to_bf16(acc, INTERPRETED),
+             mask=row_mask[None, :] & (offs_w[:, None] < D))
 
 
 def align_pairs(pair_expert: torch.Tensor, num_experts: int, block_m: int):
@@ -143,28 +143,31 @@ def align_pairs(pair_expert: torch.Tensor, num_experts: int, block_m: int):
     return sorted_pair, expert_start, counts, block_expert, block_index
 
 
-def fused_experts(x_quantized: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.Tensor,
-                  pair_weight: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
-    """Routed expert outputs ``[P, D]`` bf16; ``x_quantized`` is the FP8 round trip of the token rows."""
-    p, d = pair_token.shape[0], x_quantized.shape[1]
-    out = torch.zeros(p, d, dtype=torch.bfloat16, device=x_quantized.device)
+def fused_experts(x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.Tensor, pair_weight: torch.Tensor,
+                  experts: ExpertWeights) -> torch.Tensor:
+    """Routed expert outputs ``[P, D]`` bf16 of bf16 token rows ``x [N, D]``."""
+    p, d = pair_token.shape[0], x.shape[1]
+    out = torch.zeros(p, d, dtype=torch.bfloat16, device=x.device)
     if p == 0:
         return out
+    q, q_scales = act_quant(x)  # each token once, whatever its number of experts
     num_experts, inter = experts.num_experts, experts.w1.out_features
     cfg = moe_config(p / num_experts)
     sorted_pair, start, count, block_expert, block_index = align_pairs(pair_expert, num_experts, cfg.block_m)
     num_blocks = block_expert.shape[0]
-    hidden = torch.empty(num_blocks * cfg.block_m, inter, dtype=torch.bfloat16, device=x_quantized.device)
+    hidden_q = torch.empty(num_blocks * cfg.block_m, inter, dtype=torch.float16, device=x.device)
+    hidden_s = torch.empty(num_blocks * cfg.block_m, inter // 32, dtype=torch.float32, device=x.device)
     fmt = FORMAT_CODES[experts.w1.fmt]
     w1, w3, w2 = (w.values.view(torch.uint8) for w in (experts.w1, experts.w3, experts.w2))
     s1, s3, s2 = (w.scales.view(torch.uint8) for w in (experts.w1, experts.w3, experts.w2))
-    common = dict(B_FMT=fmt, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, INTERPRETED=INTERPRETED,
+    common = dict(B_FMT=fmt, BLOCK_T=cfg.block_m, BLOCK_W=cfg.block_n, INTERPRETED=INTERPRETED,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _gate_up_kernel[(triton.cdiv(inter, cfg.block_n), num_blocks)](
-        x_quantized, pair_token, pair_weight, sorted_pair, start, count, block_expert, block_index,
-        w1, s1, w3, s3, hidden, d, inter, x_quantized.stride(0), w1.stride(0), w1.stride(1), s1.stride(0),
-        s1.stride(1), hidden.stride(0), float(experts.swiglu_limit), **common)
+        q, q_scales, pair_token, pair_weight, sorted_pair, start, count, block_expert, block_index,
+        w1, s1, w3, s3, hidden_q, hidden_s, d, inter, q.stride(0), q_scales.stride(0), w1.stride(0), w1.stride(1),
+        s1.stride(0), s1.stride(1), hidden_q.stride(0), hidden_s.stride(0), float(experts.swiglu_limit), **common)
     _down_kernel[(triton.cdiv(d, cfg.block_n), num_blocks)](
-        hidden, out, sorted_pair, start, count, block_expert, block_index, w2, s2, inter, d, hidden.stride(0),
-        out.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), **common)
+        hidden_q, hidden_s, out, sorted_pair, start, count, block_expert, block_index, w2, s2, inter, d,
+        hidden_q.stride(0), hidden_s.stride(0), out.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
+        **common)
     return out

@@ -1,0 +1,57 @@
+"""Helpers shared by the Triton kernels: exact FP8 rounding and bf16 rounding inside a kernel.
+
+Under Triton's interpreter (the CPU tests) two conversions differ from the GPU's (triton 3.9):
+16-bit dot operands are multiplied wrongly and fp32 -> bf16 truncates. ``INTERPRETED`` lets the
+kernels take exact routes there: fp32 dot operands (the same exact products) and rounding on the
+bits. The e4m3 rounding is always done on the bits, so it is exact on any backend.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def round_to_e4m3(q):
+    """fp32 in [-448, 448] -> the nearest e4m3 value (ties to even), as fp32.
+
+    Normal values keep 3 mantissa bits; below 2**-6 (e4m3 subnormals) values round to a multiple
+    of 2**-9 through an fp32 addition, whose rounding is to nearest even.
+    """
+    bits = q.to(tl.int32, bitcast=True)
+    lsb = (bits >> 20) & 1
+    normal = ((bits + 0x7FFFF + lsb) & -0x100000).to(tl.float32, bitcast=True)
+    subnormal = (q + 24576.0) - 24576.0  # 24576 = 1.5 * 2**14: its fp32 ulp is 2**-9
+    return tl.where(tl.abs(q) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def to_bf16(x, INTERPRETED: tl.constexpr):
+    """fp32 -> bf16, rounding to nearest even."""
+    if INTERPRETED:
+        bits = x.to(tl.int32, bitcast=True)
+        x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).to(tl.float32, bitcast=True)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def quantize_groups_of_32(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """fp32 ``[ROWS, COLS]`` -> (e4m3 values ``[ROWS, COLS]`` as fp32, scales ``[ROWS, COLS/32]``).
+
+    The reference's ``act_quant``: per group of 32 along a row, scale = 2**ceil(log2(amax / 448))
+    read off the fp32 bits (amax floored at 1e-4), values divided by it (exact), saturated at 448
+    and rounded to nearest even.
+    """
+    g = tl.reshape(x, (ROWS, COLS // 32, 32))
+    amax = tl.maximum(tl.max(tl.abs(g), axis=2), 1e-4)
+    bits = (amax * 0.002232142857142857).to(tl.int32, bitcast=True)  # amax * fp32(1/448)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # ceil(log2) + 127
+    scale = (exponent << 23).to(tl.float32, bitcast=True)
+    inverse = ((254 - exponent) << 23).to(tl.float32, bitcast=True)  # 1 / scale, exact
+    q = round_to_e4m3(tl.minimum(tl.maximum(g * inverse[:, :, None], -448.0), 448.0))
+    return tl.reshape(q, (ROWS, COLS)), scale

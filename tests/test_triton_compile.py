@@ -1,0 +1,101 @@
+"""Every Triton kernel compiles for the GPU it is written for (Hopper, sm_90), on any machine.
+
+The interpreter runs the kernels' arithmetic on CPU (``test_triton_kernels.py``) but not their
+compilation: type rules, constexpr branches and layouts are only checked by the compiler. This
+compiles each kernel, in each of its formats and tile configs, to a cubin with Triton's bundled
+toolchain (no GPU needed), and checks that the matrix products use Hopper's warpgroup instructions
+(``wgmma``), on which the batch-invariance argument of ``tile_configs.py`` rests.
+
+The test process runs Triton in interpreter mode, which replaces every kernel by a Python stand-in,
+so the compilation runs in a child process without ``TRITON_INTERPRET`` (this file, run as a script).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+pytest.importorskip("triton.backends.nvidia")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_kernel_compiles_for_hopper_with_wgmma():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # as on the GPU (and silences a warning)
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) >= 20, done.stdout  # every kernel x format x config reported
+    assert all(line.endswith("ok") for line in lines), done.stdout
+
+
+# ----------------------------------------------------------------------------- the child process
+def main() -> int:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from model.kernels import tile_configs, triton_bf16_mm, triton_moe, triton_scaled_mm
+
+    hopper = GPUTarget("cuda", 90, 32)
+
+    def check(label: str, fn, types: dict[str, str], constants: dict, cfg=None, wgmma: bool = True) -> None:
+        signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
+        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} if cfg else {"num_warps": 4}
+        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants), target=hopper,
+                                options=options)
+        if wgmma and "wgmma" not in kernel.asm["ptx"]:
+            print(f"{label}: compiled without wgmma")
+        else:
+            print(f"{label}: ok")
+
+    def scalars(names: str) -> dict[str, str]:
+        return {name: "i32" for name in names.split()}
+
+    for round_trip in (False, True):
+        types = {"x_ptr": "*bf16", "q_ptr": "*bf16" if round_trip else "*fp16", "s_ptr": "*fp32",
+                 **scalars("M K stride_x stride_q stride_s")}
+        check(f"act_quant round_trip={round_trip}", triton_scaled_mm._act_quant_kernel, types,
+              {"BLOCK_ROWS": 4, "BLOCK_COLS": 512, "ROUND_TRIP": round_trip}, wgmma=False)
+
+    for _, cfg in tile_configs._BF16_MM_TABLE:
+        for b_fmt, out_f32 in ((0, False), (2, True)):  # FP8 linears and wo_a; the bf16 head
+            types = {"a_ptr": "*bf16", "w_ptr": "*u8" if b_fmt == 0 else "*bf16",
+                     "s_ptr": "*u8" if b_fmt == 0 else "*bf16", "c_ptr": "*fp32" if out_f32 else "*bf16",
+                     **scalars("M N K stride_am stride_ag stride_wn stride_wg stride_sn stride_sg stride_cm stride_cg")}
+            check(f"bf16_mm fmt={b_fmt} {cfg}", triton_bf16_mm._block_scaled_gemm_kernel, types,
+                  {"B_FMT": b_fmt, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": 64,
+                   "OUT_F32": out_f32, "EXACT_DOT": False}, cfg)
+
+    for _, cfg in tile_configs._SCALED_MM_TABLE:
+        for b_fmt in (0, 1):
+            types = {"q_ptr": "*fp16", "qs_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*u8", "c_ptr": "*bf16",
+                     **scalars("M N K stride_qm stride_qsm stride_wn stride_wsn stride_cm")}
+            check(f"scaled_mm fmt={b_fmt} {cfg}", triton_scaled_mm._scaled_mm_kernel, types,
+                  {"B_FMT": b_fmt, "BLOCK_T": cfg.block_m, "BLOCK_W": cfg.block_n, "INTERPRETED": False}, cfg)
+
+    index = {name: "*i64" for name in ("pair_token_ptr", "sorted_pair_ptr", "expert_start_ptr", "expert_count_ptr",
+                                        "block_expert_ptr", "block_index_ptr")}
+    weights = {name: "*u8" for name in ("w1_ptr", "s1_ptr", "w3_ptr", "s3_ptr", "w2_ptr", "s2_ptr")}
+    gate_up = {"q_ptr": "*fp16", "qs_ptr": "*fp32", "pair_weight_ptr": "*fp32", "hq_ptr": "*fp16", "hs_ptr": "*fp32",
+               "limit": "fp32", **index, **weights,
+               **scalars("D INTER stride_q stride_qs stride_we stride_wn stride_se stride_sn stride_hq stride_hs")}
+    down = {"hq_ptr": "*fp16", "hs_ptr": "*fp32", "out_ptr": "*bf16", **index, **weights,
+            **scalars("INTER D stride_hq stride_hs stride_out stride_we stride_wn stride_se stride_sn")}
+    for _, cfg in tile_configs._MOE_TABLE:
+        for b_fmt in (1, 0):
+            constants = {"B_FMT": b_fmt, "BLOCK_T": cfg.block_m, "BLOCK_W": cfg.block_n, "INTERPRETED": False}
+            check(f"moe gate_up fmt={b_fmt} {cfg}", triton_moe._gate_up_kernel, gate_up, constants, cfg)
+            check(f"moe down fmt={b_fmt} {cfg}", triton_moe._down_kernel, down, constants, cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
