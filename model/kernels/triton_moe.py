@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .tile_configs import moe_config
 from .triton_common import INTERPRETED, quantize_groups_of_32, to_bf16
-from .triton_scaled_mm import FORMAT_CODES, act_quant, scaled_block_dot, weight_block, weight_scale
+from .triton_scaled_mm import FORMAT_CODES, accumulate_block, act_quant, activation_block
 from .weights import ExpertWeights
 
 
@@ -65,13 +65,11 @@ def _gate_up_kernel(q_ptr, qs_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_
     gate = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
     up = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
     for k0 in range(0, D, 32):
-        a = tl.load(q_ptr + tokens[None, :] * stride_q + (k0 + tl.arange(0, 32))[:, None], mask=row_mask[None, :],
-                    other=0.0)
-        a_scale = tl.load(qs_ptr + tokens * stride_qs + k0 // 32, mask=row_mask, other=0.0)
-        gate = scaled_block_dot(gate, weight_block(w1_ptr, offs_w, k0, INTER, stride_wn, B_FMT, BLOCK_W), a,
-                                weight_scale(s1_ptr, offs_w, k0 // 32, INTER, stride_sn, B_FMT), a_scale, INTERPRETED)
-        up = scaled_block_dot(up, weight_block(w3_ptr, offs_w, k0, INTER, stride_wn, B_FMT, BLOCK_W), a,
-                              weight_scale(s3_ptr, offs_w, k0 // 32, INTER, stride_sn, B_FMT), a_scale, INTERPRETED)
+        a, a_scale = activation_block(q_ptr, qs_ptr, tokens, row_mask, k0, stride_q, stride_qs)
+        gate = accumulate_block(gate, w1_ptr, s1_ptr, offs_w, k0, INTER, stride_wn, stride_sn, a, a_scale, B_FMT,
+                                BLOCK_W, INTERPRETED)
+        up = accumulate_block(up, w3_ptr, s3_ptr, offs_w, k0, INTER, stride_wn, stride_sn, a, a_scale, B_FMT,
+                              BLOCK_W, INTERPRETED)
     gate = to_bf16(gate, INTERPRETED).to(tl.float32)  # the reference's w1(x) and w3(x) are bf16
     up = to_bf16(up, INTERPRETED).to(tl.float32)
     if limit > 0:
@@ -105,11 +103,9 @@ def _down_kernel(hq_ptr, hs_ptr, out_ptr, sorted_pair_ptr, expert_start_ptr, exp
     s2_ptr += e * stride_se
     acc = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
     for k0 in range(0, INTER, 32):
-        a = tl.load(hq_ptr + rows[None, :] * stride_hq + (k0 + tl.arange(0, 32))[:, None], mask=row_mask[None, :],
-                    other=0.0)
-        a_scale = tl.load(hs_ptr + rows * stride_hs + k0 // 32, mask=row_mask, other=0.0)
-        acc = scaled_block_dot(acc, weight_block(w2_ptr, offs_w, k0, D, stride_wn, B_FMT, BLOCK_W), a,
-                               weight_scale(s2_ptr, offs_w, k0 // 32, D, stride_sn, B_FMT), a_scale, INTERPRETED)
+        a, a_scale = activation_block(hq_ptr, hs_ptr, rows, row_mask, k0, stride_hq, stride_hs)
+        acc = accumulate_block(acc, w2_ptr, s2_ptr, offs_w, k0, D, stride_wn, stride_sn, a, a_scale, B_FMT, BLOCK_W,
+                               INTERPRETED)
     tl.store(out_ptr + pairs[None, :].to(tl.int64) * stride_out + offs_w[:, None], to_bf16(acc, INTERPRETED),
              mask=row_mask[None, :] & (offs_w[:, None] < D))
 

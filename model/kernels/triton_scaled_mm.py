@@ -74,6 +74,23 @@ def scaled_block_dot(acc, w, a, w_scale, a_scale, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def activation_block(q_ptr, qs_ptr, rows, row_mask, k0, stride_q, stride_qs):
+    """(fp16 ``[32, len(rows)]``, fp32 ``[len(rows)]``): the e4m3 values of columns ``k0..k0+31`` of
+    the given activation rows, transposed for the product, and the rows' scales of that block."""
+    a = tl.load(q_ptr + rows[None, :] * stride_q + (k0 + tl.arange(0, 32))[:, None], mask=row_mask[None, :], other=0.0)
+    return a, tl.load(qs_ptr + rows * stride_qs + k0 // 32, mask=row_mask, other=0.0)
+
+
+@triton.jit
+def accumulate_block(acc, w_ptr, s_ptr, offs_w, k0, N, stride_wn, stride_sn, a, a_scale, B_FMT: tl.constexpr,
+                     BLOCK_W: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``acc`` plus the scaled partial product of K block ``k0`` of weight rows ``offs_w`` and ``a``."""
+    w = weight_block(w_ptr, offs_w, k0, N, stride_wn, B_FMT, BLOCK_W)
+    w_scale = weight_scale(s_ptr, offs_w, k0 // 32, N, stride_sn, B_FMT)
+    return scaled_block_dot(acc, w, a, w_scale, a_scale, INTERPRETED)
+
+
+@triton.jit
 def _scaled_mm_kernel(q_ptr, qs_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_qm, stride_qsm, stride_wn, stride_wsn,
                       stride_cm, B_FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
                       INTERPRETED: tl.constexpr):
@@ -83,11 +100,8 @@ def _scaled_mm_kernel(q_ptr, qs_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_qm, s
     t_mask = offs_t < M
     acc = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
     for k0 in range(0, K, 32):
-        w = weight_block(w_ptr, offs_w, k0, N, stride_wn, B_FMT, BLOCK_W)
-        a = tl.load(q_ptr + offs_t[None, :] * stride_qm + (k0 + tl.arange(0, 32))[:, None], mask=t_mask[None, :],
-                    other=0.0)
-        a_scale = tl.load(qs_ptr + offs_t * stride_qsm + k0 // 32, mask=t_mask, other=0.0)
-        acc = scaled_block_dot(acc, w, a, weight_scale(ws_ptr, offs_w, k0 // 32, N, stride_wsn, B_FMT), a_scale,
+        a, a_scale = activation_block(q_ptr, qs_ptr, offs_t, t_mask, k0, stride_qm, stride_qsm)
+        acc = accumulate_block(acc, w_ptr, ws_ptr, offs_w, k0, N, stride_wn, stride_wsn, a, a_scale, B_FMT, BLOCK_W,
                                INTERPRETED)
     tl.store(c_ptr + offs_t[None, :] * stride_cm + offs_w[:, None], to_bf16(acc, INTERPRETED),
              mask=t_mask[None, :] & (offs_w[:, None] < N))
