@@ -24,6 +24,8 @@ class EngineConfig:
     batch_invariant: bool | None = None  # default: on for CPU, off for CUDA
     official_index_handoff: bool = False  # reproduce the reference's index-key hand-off quirk
     max_queued_requests: int = 1024  # waiting requests beyond this get 503 (frontend)
+    max_seqs_per_request: int = 256  # prompts x n of one request; more gets a 400 (frontend)
+    step_timeout: float = 120.0  # seconds a step may take before its rank is declared stuck
     kernels: str | None = None  # kernel backend: reference | triton (default: triton on CUDA, reference on CPU)
     load_format: str = "auto"  # auto (safetensors files) | dummy (random weights made on the device)
 
@@ -42,7 +44,9 @@ class EngineConfig:
             raise ValueError(f"--load-format must be auto or dummy, got {self.load_format!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
-        for name in ("dp_size", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+        if not self.step_timeout > 0:
+            raise ValueError("--step-timeout must be > 0")
+        for name in ("dp_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_seqs_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.num_blocks is not None and self.num_blocks < 2:
@@ -76,6 +80,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--official-index-handoff", action="store_true",
                    help="reproduce the reference's index-key hand-off on decode steps (see model/transformer.py)")
     g.add_argument("--max-queued-requests", type=int, default=1024)
+    g.add_argument("--max-seqs-per-request", type=int, default=256,
+                   help="largest number of sequences (prompts x n) one request may ask for")
+    g.add_argument("--step-timeout", type=float, default=120.0,
+                   help="seconds a step may take before its rank is declared stuck and the server exits")
     g.add_argument("--kernels", choices=["reference", "triton"], default=None,
                    help="kernel backend of the FP8/FP4 products (default: triton on cuda, reference on cpu)")
     g.add_argument("--load-format", choices=["auto", "dummy"], default="auto",

@@ -7,7 +7,13 @@
 
 ZeroMQ and msgspec release the GIL, so (de)serialization overlaps the loop. On startup the process
 starts the workers and tells the frontend ``ready`` (with the model facts) or why it failed; if a
-worker dies, it tells the frontend ``ENGINE_DEAD`` and exits non-zero.
+worker dies or is stuck (a step or, while idle, a ping unanswered past its timeout: see
+mp_executor.py), it tells the frontend ``ENGINE_DEAD`` and exits non-zero, so every in-flight
+request ends with an error, /health answers 503 and the server exits.
+
+A malformed frontend message is dropped (``ipc.parse``), never fatal. When the frontend is gone
+(killed, so it could not clean up), the engine core stops its workers and removes the socket
+directory itself.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import zmq
 
 from .config import EngineConfig
 from .core import EngineCore
-from .ipc import Endpoints, decode_as, make_socket, send, split
+from .ipc import DropLog, Endpoints, parse, send
 from .mp_executor import MultiprocExecutor
 from .protocol import (AbortRequests, AddRequest, EngineOutputs, MessageType, RequestOutput, UtilityRequest,
                        UtilityResponse)
@@ -47,19 +53,20 @@ class EngineProcess:
 
     # ------------------------------------------------------------------ IO threads
     def _input_thread(self) -> None:
-        sock = make_socket(self.context, zmq.PULL, self.endpoints.requests, bind=False)
+        sock = self.endpoints.socket(self.context, zmq.PULL, self.endpoints.requests, bind=False)
         types = {MessageType.ADD: AddRequest, MessageType.ABORT: AbortRequests, MessageType.UTILITY: UtilityRequest}
+        drops = DropLog("engine core input")
         while True:
             try:
-                kind, payload = split(sock.recv_multipart(copy=False))
-                self.inbox.put((kind, decode_as(payload, types[kind])))
-            except (KeyError, ValueError, msgspec.DecodeError) as exc:
-                log.error("dropping a malformed frontend message: %s", exc)
+                frames = sock.recv_multipart(copy=False)
             except zmq.ContextTerminated:
                 return
+            message = parse(frames, types, drops)
+            if message is not None:
+                self.inbox.put(message)
 
     def _output_thread(self) -> None:
-        sock = make_socket(self.context, zmq.PUSH, self.endpoints.outputs, bind=False)
+        sock = self.endpoints.socket(self.context, zmq.PUSH, self.endpoints.outputs, bind=False)
         while True:
             item = self.outbox.get()
             if item is None:
@@ -89,7 +96,7 @@ class EngineProcess:
                 self._last_stats = stats
             if time.monotonic() - last_parent_check > PARENT_CHECK_S:
                 last_parent_check = time.monotonic()
-                core.executor.check_health()
+                core.executor.check_health(idle=not core.has_work)
                 if os.getppid() != parent:
                     log.warning("frontend is gone; engine core exits")
                     return
@@ -107,6 +114,10 @@ class EngineProcess:
                     self.core.add_request(message)
                 except ValueError as exc:  # rejected: finish it at once with the reason
                     outputs.append(RequestOutput(message.request_id, [], "abort", error=str(exc)))
+                except Exception as exc:  # noqa: BLE001 - an odd request must not take the engine down
+                    log.exception("rejecting request %r", message.request_id)
+                    outputs.append(RequestOutput(message.request_id, [], "abort",
+                                                 error=f"the engine could not take the request: {type(exc).__name__}"))
             elif kind is MessageType.ABORT:
                 outputs += self.core.abort(message.request_ids)
             elif kind is MessageType.UTILITY:
@@ -128,6 +139,7 @@ def engine_main(config_json: bytes, endpoints_json: bytes, log_level: str) -> No
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     config = msgspec.json.decode(config_json, type=EngineConfig)
     endpoints = msgspec.json.decode(endpoints_json, type=Endpoints)
+    parent = os.getppid()
     process = None
     try:
         process = EngineProcess(config, endpoints, log_level)
@@ -141,11 +153,13 @@ def engine_main(config_json: bytes, endpoints_json: bytes, log_level: str) -> No
     finally:
         if process is not None:
             process.shutdown()
+        if os.getppid() != parent:  # the frontend died without cleaning up: we outlive it
+            endpoints.cleanup()
 
 
 def _tell_frontend_dead(endpoints: Endpoints, reason: str) -> None:
     context = zmq.Context()
-    sock = make_socket(context, zmq.PUSH, endpoints.outputs, bind=False)
+    sock = endpoints.socket(context, zmq.PUSH, endpoints.outputs, bind=False)
     sock.setsockopt(zmq.LINGER, 2000)
     send(sock, MessageType.ENGINE_DEAD, UtilityResponse(-1, reason))
     sock.close()

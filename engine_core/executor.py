@@ -41,8 +41,8 @@ class Executor(ABC):
     def shutdown(self) -> None:
         pass
 
-    def check_health(self) -> None:
-        """Raise if a worker is gone."""
+    def check_health(self, idle: bool = False) -> None:
+        """Raise if a worker is gone or stuck (``idle``: no step is in flight, so probing is cheap)."""
 
 
 class InProcessExecutor(Executor):

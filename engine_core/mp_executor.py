@@ -6,6 +6,18 @@ message sizes); each worker answers with one ``StepResult`` on a PUSH socket. St
 handshake: each worker reports ``ready`` with its cache geometry (or the error that stopped it),
 then a ping over the broadcast socket proves every subscription is live before the first plan.
 A worker process that dies is noticed while waiting for results, and reported with its exit code.
+
+Liveness (a worker that is alive but stuck: stopped, deadlocked, hung in a collective):
+
+* busy: a step whose results have not all arrived ``step_timeout`` seconds after it was submitted
+  raises ``WorkerStuckError`` naming the missing rank(s) and the step id;
+* idle: every ``IDLE_PING_INTERVAL_S`` the engine pings the workers over the broadcast socket; a
+  ping unanswered after ``idle_ping_timeout`` raises the same error. A pong needs no compute, so
+  this timeout is much shorter than the step timeout: ``min(step_timeout, max(5 s, step_timeout /
+  10))`` (12 s with the default 120 s), long enough for a loaded host or a GC pause.
+
+The engine core turns the error into ``ENGINE_DEAD`` (see engine_process.py); stuck workers are
+SIGKILLed at shutdown, since a stopped process ignores SIGTERM until it is continued.
 """
 
 from __future__ import annotations
@@ -20,16 +32,28 @@ import zmq
 
 from .config import EngineConfig
 from .executor import Executor, WorkerInfo
-from .ipc import Endpoints, decode_as, make_socket, send, split
+from .ipc import DropLog, Endpoints, parse, send
 from .protocol import MessageType, StepPlan, StepResult, WorkerControl
 
 log = logging.getLogger(__name__)
 WORKER_START_TIMEOUT_S = 600.0
 RESULT_WAIT_WARNING_S = 60.0
+IDLE_PING_INTERVAL_S = 2.0
+MIN_IDLE_PING_TIMEOUT_S = 5.0
+SHUTDOWN_JOIN_S = 5.0
+RESULT_TYPES = {MessageType.STEP_RESULT: StepResult, MessageType.CONTROL: WorkerControl}
 
 
 class WorkerDiedError(RuntimeError):
     pass
+
+
+class WorkerStuckError(RuntimeError):
+    """A worker is alive but did not answer a step or a ping within its timeout."""
+
+
+def idle_ping_timeout(step_timeout: float) -> float:
+    return min(step_timeout, max(MIN_IDLE_PING_TIMEOUT_S, step_timeout / 10))
 
 
 def _free_port() -> int:
@@ -44,8 +68,14 @@ class MultiprocExecutor(Executor):
 
         self.config, self.endpoints = config, endpoints
         self.context = zmq.Context()
-        self.steps = make_socket(self.context, zmq.PUB, endpoints.steps, bind=True)
-        self.results = make_socket(self.context, zmq.PULL, endpoints.results, bind=True)
+        self.steps = endpoints.socket(self.context, zmq.PUB, endpoints.steps, bind=True)
+        self.results = endpoints.socket(self.context, zmq.PULL, endpoints.results, bind=True)
+        self._drops = DropLog("engine core results")
+        self._submitted: dict[int, float] = {}  # step id -> when it was sent
+        self._stuck: set[int] = set()
+        self._nonce = 0
+        self._ping: tuple[int, float, set[int]] | None = None  # outstanding idle ping: nonce, sent at, answered
+        self._last_ping = time.monotonic()
         ctx = multiprocessing.get_context("spawn")
         config_json, endpoints_json = msgspec.json.encode(config), msgspec.json.encode(endpoints)
         dist_port = _free_port()
@@ -77,18 +107,15 @@ class MultiprocExecutor(Executor):
         # a SUB socket only receives what is published after its subscription reached us: ping
         # over the broadcast socket until every worker has answered one
         answered: set[int] = set()
-        nonce = 0
         while len(answered) < len(self.processes):
-            nonce += 1
-            send(self.steps, MessageType.CONTROL, WorkerControl("ping", nonce=nonce))
+            self._nonce += 1  # idle pings continue the sequence: a late answer here never counts there
+            send(self.steps, MessageType.CONTROL, WorkerControl("ping", nonce=self._nonce))
             poll_until = time.monotonic() + 0.1
             while time.monotonic() < poll_until and len(answered) < len(self.processes):
                 if self.results.poll(20):
-                    kind, payload = split(self.results.recv_multipart(copy=False))
-                    if kind is MessageType.CONTROL:
-                        control = decode_as(payload, WorkerControl)
-                        if control.command == "pong":
-                            answered.add(control.rank)
+                    message = self._recv()
+                    if message is not None and message[0] is MessageType.CONTROL and message[1].command == "pong":
+                        answered.add(message[1].rank)
             self._check_alive("starting")
             if time.monotonic() > deadline:
                 raise TimeoutError("workers did not answer the broadcast ping")
@@ -104,9 +131,9 @@ class MultiprocExecutor(Executor):
     def _recv_control(self, deadline: float, phase: str) -> WorkerControl:
         while True:
             if self.results.poll(200):
-                kind, payload = split(self.results.recv_multipart(copy=False))
-                if kind is MessageType.CONTROL:
-                    return decode_as(payload, WorkerControl)
+                message = self._recv()
+                if message is not None and message[0] is MessageType.CONTROL:
+                    return message[1]
             self._check_alive(phase)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"workers did not become ready within {WORKER_START_TIMEOUT_S:.0f} s; "
@@ -117,41 +144,87 @@ class MultiprocExecutor(Executor):
             if not process.is_alive():
                 raise WorkerDiedError(f"worker {rank} exited (code {process.exitcode}) while {phase}")
 
+    def _recv(self):
+        """One message from the results socket, or None if it was malformed (dropped)."""
+        message = parse(self.results.recv_multipart(copy=False), RESULT_TYPES, self._drops)
+        if message is None:
+            return None
+        kind, body = message
+        if not 0 <= body.rank < len(self.processes):
+            self._drops.drop(f"{kind.name} from unknown rank {body.rank}")
+            return None
+        return message
+
     # ------------------------------------------------------------------ steps
     def submit(self, plan: StepPlan) -> int:
+        self._submitted[plan.step_id] = time.monotonic()
         send(self.steps, MessageType.STEP, plan)
         return plan.step_id
 
     def collect(self, step_id: int) -> list[StepResult]:
         ranks = range(len(self.processes))
+        submitted = self._submitted.pop(step_id, time.monotonic())
         waited_since = time.monotonic()
         while not all((step_id, r) in self._buffered for r in ranks):
             if not self.results.poll(100):
                 self._check_alive("running a step")
+                missing = [r for r in ranks if (step_id, r) not in self._buffered]
+                if time.monotonic() - submitted > self.config.step_timeout:
+                    self._declare_stuck(missing, f"step {step_id}", self.config.step_timeout)
                 if time.monotonic() - waited_since > RESULT_WAIT_WARNING_S:
-                    missing = [r for r in ranks if (step_id, r) not in self._buffered]
                     log.warning("step %d: still waiting for rank(s) %s after %.0f s", step_id, missing,
                                 RESULT_WAIT_WARNING_S)
                     waited_since = time.monotonic()
                 continue
-            kind, payload = split(self.results.recv_multipart(copy=False))
-            if kind is MessageType.STEP_RESULT:
-                result = decode_as(payload, StepResult)
-                self._buffered[(result.step_id, result.rank)] = result
+            self._handle(self._recv())
         return [self._buffered.pop((step_id, r)) for r in ranks]
 
-    def check_health(self) -> None:
+    def _handle(self, message) -> None:
+        if message is None:
+            return
+        kind, body = message
+        if kind is MessageType.STEP_RESULT:
+            self._buffered[(body.step_id, body.rank)] = body
+        elif body.command == "pong" and self._ping is not None and body.nonce == self._ping[0]:
+            self._ping[2].add(body.rank)
+
+    def _declare_stuck(self, ranks: list[int], what: str, timeout: float) -> None:
+        self._stuck.update(ranks)
+        log.error("%s: rank(s) %s did not answer within %.1f s; declaring them stuck", what, ranks, timeout)
+        raise WorkerStuckError(f"worker rank(s) {ranks} stuck: {what} unanswered after {timeout:.1f} s")
+
+    def check_health(self, idle: bool = False) -> None:
+        """Raise if a worker is gone or stuck; while ``idle``, keep a ping in flight to prove liveness."""
         self._check_alive("serving")
+        while self.results.poll(0):
+            self._handle(self._recv())
+        now = time.monotonic()
+        if self._ping is not None:
+            nonce, sent, answered = self._ping
+            if len(answered) == len(self.processes):
+                self._ping = None
+            elif now - sent > idle_ping_timeout(self.config.step_timeout):
+                missing = [r for r in range(len(self.processes)) if r not in answered]
+                self._declare_stuck(missing, f"idle ping {nonce}", idle_ping_timeout(self.config.step_timeout))
+        if idle and self._ping is None and now - self._last_ping > IDLE_PING_INTERVAL_S:
+            self._nonce += 1
+            self._ping = (self._nonce, now, set())
+            self._last_ping = now
+            send(self.steps, MessageType.CONTROL, WorkerControl("ping", nonce=self._nonce))
 
     def shutdown(self) -> None:
+        for rank in self._stuck:  # a stopped or wedged process would not act on a request to exit
+            self.processes[rank].kill()
         try:
             send(self.steps, MessageType.CONTROL, WorkerControl("shutdown"))
         except zmq.ZMQError:
             pass
+        deadline = time.monotonic() + SHUTDOWN_JOIN_S
         for process in self.processes:
-            process.join(timeout=5)
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for process in self.processes:
             if process.is_alive():
-                process.terminate()
+                process.kill()  # SIGKILL: also ends a stopped process, which SIGTERM would not
                 process.join(timeout=5)
         self.steps.close()
         self.results.close()

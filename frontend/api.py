@@ -1,5 +1,9 @@
 """The HTTP routes. Handlers read the raw body and validate it themselves (so every error is a
-400 in OpenAI's envelope, never FastAPI's 422), then hand over to completions.py / chat.py."""
+400 in OpenAI's envelope, never FastAPI's 422), then hand over to completions.py / chat.py.
+
+POST bodies must be sent as ``application/json`` (415 otherwise): a web page can send
+``text/plain`` to any local server without a CORS preflight, and must not be able to drive this
+one. The body's size is bounded while it is read (server.py's ``BodyLimitMiddleware``)."""
 
 from __future__ import annotations
 
@@ -7,6 +11,9 @@ import logging
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+
+from .errors import APIError
+from .health import HealthProbe
 
 from .chat import create_chat_completion, render_messages
 from .completions import create_completion
@@ -22,41 +29,52 @@ def _json(value) -> Response:
     return Response(to_json(value), media_type="application/json")
 
 
+async def json_body(raw: Request) -> bytes:
+    media_type = raw.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise APIError(415, f"Content-Type must be application/json, got {media_type or 'none'!r}",
+                       "invalid_request_error", None, "unsupported_media_type")
+    return await raw.body()
+
+
 def build_router(ctx: ServingContext, created: int) -> APIRouter:
     router = APIRouter()
+    probe = HealthProbe(ctx.engine)
 
     @router.post("/v1/completions")
     async def completions(raw: Request) -> Response:
-        return await create_completion(ctx, raw)
+        return await create_completion(ctx, raw, await json_body(raw))
 
     @router.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
-        return await create_chat_completion(ctx, raw)
+        return await create_chat_completion(ctx, raw, await json_body(raw))
 
     @router.get("/v1/models")
     async def models() -> Response:
-        return _json(ModelList([ModelCard(ctx.model_name, created, ctx.max_model_len, root=ctx.model_root)]))
+        return _json(ModelList([ModelCard(ctx.model_name, created, ctx.max_model_len, root=ctx.model_name)]))
 
     @router.post("/tokenize")
     async def tokenize(raw: Request) -> Response:
-        req = TokenizeRequest.model_validate_json(await raw.body())
+        # a text prompt is bounded by the body limit only (counting the tokens of a text too long
+        # for the context is a legitimate use); it is tokenized off the event loop
+        req = TokenizeRequest.model_validate_json(await json_body(raw))
         ctx.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages")
         if req.messages is not None:
-            ids = render_messages(ctx, req.messages, req.add_generation_prompt)
+            ids = await render_messages(ctx, req.messages, req.add_generation_prompt)
         else:
-            ids = ctx.require_tokenizer("tokenize").encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await ctx.require_tokenizer("tokenize").encode_async(req.prompt, req.add_special_tokens)
         return _json({"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len})
 
     @router.post("/detokenize")
     async def detokenize(raw: Request) -> Response:
-        req = DetokenizeRequest.model_validate_json(await raw.body())
+        req = DetokenizeRequest.model_validate_json(await json_body(raw))
         ctx.check_model(req.model)
         tokenizer = ctx.require_tokenizer("detokenize")
         if req.tokens:
             check_token_ids(req.tokens, ctx.vocab_size, "tokens")
-        return _json({"prompt": tokenizer.decode(req.tokens)})
+        return _json({"prompt": await tokenizer.decode_async(req.tokens)})
 
     @router.get("/tokenizer_info")
     async def tokenizer_info() -> Response:
@@ -74,12 +92,12 @@ def build_router(ctx: ServingContext, created: int) -> APIRouter:
 
     @router.get("/health")
     async def health() -> Response:
-        try:
-            healthy = await ctx.engine.check_health()
-        except Exception:  # a health check must answer, whatever broke
-            log.exception("health check failed")
-            healthy = False
-        return Response(status_code=200 if healthy else 503)
+        """Cheap and answered within a second (health.py); 503 while draining or unhealthy."""
+        if ctx.admission.draining:
+            return Response(b'{"status":"draining"}', status_code=503, media_type="application/json")
+        if await probe.healthy():
+            return Response(b'{"status":"ok"}', media_type="application/json")
+        return Response(b'{"status":"unhealthy"}', status_code=503, media_type="application/json")
 
     @router.get("/metrics")
     async def metrics() -> Response:

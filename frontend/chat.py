@@ -29,7 +29,10 @@ from .tokenizer import TokenizerError
 KNOWN_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
 
-def render_messages(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+async def render_messages(ctx: ServingContext, messages: list[ChatMessage],
+                          add_generation_prompt: bool = True) -> list[int]:
+    """The messages through the chat template, tokenized (off the event loop when large). Text
+    that cannot fit the context is refused before rendering."""
     tokenizer = ctx.require_tokenizer("chat")
     if not tokenizer.chat_template:
         raise bad_request("this model's tokenizer has no chat template: use /v1/completions", "messages")
@@ -52,20 +55,25 @@ def render_messages(ctx: ServingContext, messages: list[ChatMessage], add_genera
         if message.name is not None:
             entry["name"] = message.name
         plain.append(entry)
+    ctx.check_text_length(sum(len(m["content"]) + len(m.get("name") or "") for m in plain), "messages")
     try:
         text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
     except (TokenizerError, TemplateError) as exc:
         raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return await tokenizer.encode_async(text, add_special_tokens=False)
 
 
 class _ChatCompletion:
-    def __init__(self, ctx: ServingContext, raw: Request, req: ChatCompletionRequest):
-        self.ctx, self.req = ctx, req
+    @classmethod
+    async def create(cls, ctx: ServingContext, raw: Request, req: ChatCompletionRequest) -> "_ChatCompletion":
         ctx.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        prompt_ids = render_messages(ctx, req.messages, req.add_generation_prompt)
+        ctx.admission.check_size(req.n)
+        return cls(ctx, raw, req, await render_messages(ctx, req.messages, req.add_generation_prompt))
+
+    def __init__(self, ctx: ServingContext, raw: Request, req: ChatCompletionRequest, prompt_ids: list[int]):
+        self.ctx, self.req = ctx, req
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:  # as much as the context leaves
             if len(prompt_ids) >= ctx.max_model_len:
@@ -76,11 +84,12 @@ class _ChatCompletion:
         params = build_params(req, ctx, max_tokens=max_tokens, logprobs=self.top_n)
         stop = stop_strings(req, ctx)
         self.prompts = [PromptInput(prompt_ids, None)]
-        ctx.admit(req.n)
         self.choices = make_choices(ctx, raw, self.prompts, req.n, params, req, stop, accumulate=not req.stream)
-        self.id = f"chatcmpl-{request_id_of(raw)}"
+        self.request_id = request_id_of(raw)
+        self.id = f"chatcmpl-{self.request_id}"
         self.created = int(time.time())
         self.logprobs = LogprobFormatter(ctx.tokenizer)
+        self.reservation = ctx.admit(req.n)  # last, so nothing above can fail with sequences reserved
 
     def usage(self) -> Usage:
         prompt_tokens, completion_tokens = usage_counts(self.prompts, self.choices)
@@ -126,16 +135,21 @@ class _ChatCompletion:
             if include_usage:
                 yield self._chunk([], self.usage())
         except Exception as exc:
-            error = error_for(exc)
+            error = error_for(exc, self.request_id)
             yield sse_frame(error_body(error.message, error.type, error.param, error.code))
+        finally:
+            self.reservation.release()
         yield DONE_FRAME
 
 
-async def create_chat_completion(ctx: ServingContext, raw: Request) -> Response:
-    body = await raw.body()
-    chat = _ChatCompletion(ctx, raw, ChatCompletionRequest.model_validate_json(body))
+async def create_chat_completion(ctx: ServingContext, raw: Request, body: bytes) -> Response:
+    chat = await _ChatCompletion.create(ctx, raw, ChatCompletionRequest.model_validate_json(body))
     if chat.req.stream:
-        return SSEResponse(chat.events())
-    if not await finish_without_streaming(ctx, raw, chat.choices):
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return SSEResponse(chat.events(), keepalive_s=ctx.sse_keepalive_s, admission=ctx.admission,
+                           on_close=chat.reservation.release)
+    try:
+        if not await finish_without_streaming(ctx, raw, chat.choices):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+    finally:
+        chat.reservation.release()
     return Response(to_json(chat.response()), media_type="application/json")

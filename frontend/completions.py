@@ -34,15 +34,24 @@ def sse_frame(payload) -> bytes:
 class _Completion:
     """One /v1/completions request, validated, with what formatting its output needs."""
 
-    def __init__(self, ctx: ServingContext, raw: Request, req: CompletionRequest):
-        self.ctx, self.req = ctx, req
+    @classmethod
+    async def create(cls, ctx: ServingContext, raw: Request, req: CompletionRequest) -> "_Completion":
         ctx.check_model(req.model)
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request(f"best_of ({req.best_of}) is not supported: leave it out or set it equal to n "
                               f"({req.n})", "best_of")
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
-        self.prompts = parse_prompts(req.prompt, ctx)
+        prompts = await parse_prompts(req.prompt, ctx, req.n)
+        if req.echo and ctx.tokenizer is not None:  # decode token-id prompts now, off the event loop if long
+            for prompt in prompts:
+                if prompt.text is None:
+                    prompt.text = await ctx.tokenizer.decode_async(prompt.token_ids)
+        return cls(ctx, raw, req, prompts)
+
+    def __init__(self, ctx: ServingContext, raw: Request, req: CompletionRequest, prompts: list[PromptInput]):
+        self.ctx, self.req = ctx, req
+        self.prompts = prompts
         max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         for prompt in self.prompts:
             check_context_length(ctx, len(prompt.token_ids), max_tokens)
@@ -52,13 +61,18 @@ class _Completion:
         stop = stop_strings(req, ctx)
         # max_tokens 0 only needs the engine for the prompt's logprobs
         self.needs_engine = max_tokens > 0 or prompt_logprobs is not None
-        if self.needs_engine:
-            ctx.admit(len(self.prompts) * req.n)
         self.choices = make_choices(ctx, raw, self.prompts, req.n, params, req, stop, accumulate=not req.stream)
-        self.id = f"cmpl-{request_id_of(raw)}"
+        self.request_id = request_id_of(raw)
+        self.id = f"cmpl-{self.request_id}"
         self.created = int(time.time())
         self.logprobs = LogprobFormatter(ctx.tokenizer)
         self.with_ids = req.return_token_ids or ctx.tokenizer is None
+        # last, so nothing above can fail with sequences reserved
+        self.reservation = ctx.admit(len(self.prompts) * req.n) if self.needs_engine else None
+
+    def release(self) -> None:
+        if self.reservation is not None:
+            self.reservation.release()
 
     def prompt_text(self, prompt: PromptInput) -> str:
         if prompt.text is not None:
@@ -137,8 +151,10 @@ class _Completion:
                 yield sse_frame(CompletionResponse(self.id, "text_completion", self.created, self.ctx.model_name,
                                                    [], self.usage()))
         except Exception as exc:  # the response has started: report in-band, as OpenAI does
-            error = error_for(exc)
+            error = error_for(exc, self.request_id)
             yield sse_frame(error_body(error.message, error.type, error.param, error.code))
+        finally:
+            self.release()
         yield DONE_FRAME
 
 
@@ -149,11 +165,14 @@ async def _no_generation(choices: list[Choice]):
         yield choice, StreamDelta("", [], None, None, "length")
 
 
-async def create_completion(ctx: ServingContext, raw: Request) -> Response:
-    body = await raw.body()
-    completion = _Completion(ctx, raw, CompletionRequest.model_validate_json(body))
+async def create_completion(ctx: ServingContext, raw: Request, body: bytes) -> Response:
+    completion = await _Completion.create(ctx, raw, CompletionRequest.model_validate_json(body))
     if completion.req.stream:
-        return SSEResponse(completion.events())
-    if completion.needs_engine and not await finish_without_streaming(ctx, raw, completion.choices):
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return SSEResponse(completion.events(), keepalive_s=ctx.sse_keepalive_s, admission=ctx.admission,
+                           on_close=completion.release)
+    try:
+        if completion.needs_engine and not await finish_without_streaming(ctx, raw, completion.choices):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+    finally:
+        completion.release()
     return Response(to_json(completion.response()), media_type="application/json")

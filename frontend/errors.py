@@ -3,6 +3,9 @@
 Handlers are registered for our own ``APIError``, FastAPI/pydantic validation errors (400, not
 FastAPI's 422), Starlette's HTTP errors (unknown route, wrong method) and engine failures, so a
 client never sees a bare ``{"detail": ...}`` or a plain-text 500.
+
+An unexpected failure is logged with its traceback and the request id; the client gets only a
+generic message naming that request id (no exception text, traceback or server path).
 """
 
 from __future__ import annotations
@@ -24,17 +27,36 @@ log = logging.getLogger(__name__)
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param)
 
 
+RETRY_AFTER_S = 1  # a full server frees sequences quickly
+DRAIN_RETRY_AFTER_S = 5  # a draining one is going away: try another replica, or later
+
+
 def overloaded(message: str) -> APIError:
-    return APIError(503, message, "server_error", None, "server_overloaded")
+    return APIError(503, message, "server_error", None, "server_overloaded", {"Retry-After": str(RETRY_AFTER_S)})
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down and takes no new requests", "server_error", None,
+                    "server_shutting_down", {"Retry-After": str(DRAIN_RETRY_AFTER_S)})
+
+
+def stopped_by_shutdown() -> APIError:
+    return APIError(503, "the server shut down before this request finished", "server_error", None,
+                    "server_shutdown")
+
+
+def internal_error(request_id: str | None) -> APIError:
+    return APIError(500, f"internal server error (request id {request_id or 'unknown'})", "server_error")
 
 
 def engine_dead(reason: str) -> APIError:
@@ -47,7 +69,11 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 def error_response(error: APIError) -> Response:
     body = msgspec.json.encode(error_body(error.message, error.type, error.param, error.code))
-    return Response(body, status_code=error.status, media_type="application/json")
+    return Response(body, status_code=error.status, media_type="application/json", headers=error.headers or None)
+
+
+def _request_id(request: Request) -> str | None:
+    return (request.scope.get("state") or {}).get("request_id")
 
 
 def validation_error(errors: list[dict]) -> APIError:
@@ -99,8 +125,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _queue_full(_: Request, exc: QueueFullError) -> Response:
         return error_response(overloaded(f"the server is overloaded, retry later ({exc})"))
 
+    @app.exception_handler(Exception)  # anything else: log it, tell the client only the request id
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        return error_response(error_for(exc, _request_id(request)))
 
-def error_for(exc: BaseException) -> APIError:
+
+def error_for(exc: BaseException, request_id: str | None = None) -> APIError:
     """The API error a failure during generation maps to (also used inside SSE streams)."""
     if isinstance(exc, APIError):
         return exc
@@ -110,5 +140,5 @@ def error_for(exc: BaseException) -> APIError:
         return overloaded(f"the server is overloaded, retry later ({exc})")
     if isinstance(exc, ValueError):  # the engine rejected the request
         return bad_request(str(exc))
-    log.exception("unexpected error while serving a request", exc_info=exc)
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+    log.error("unexpected error while serving request %s", request_id, exc_info=exc)
+    return internal_error(request_id)

@@ -228,6 +228,8 @@ class FakeEngineClient(EngineClientBase):
                     request.next_token_at = now + self.per_token_s
                 if request.request_id in self._live:
                     next_due = min(next_due, request.next_token_at)
+            if self._waiting and len(self._running) < self.max_num_seqs:
+                next_due = now  # a finished request freed a slot: schedule the waiting ones at once
             delay = next_due - time.monotonic()
             if delay > 0:
                 self._wake.clear()
@@ -324,15 +326,50 @@ def fake_engine_for(tokenizer: Tokenizer, **kwargs) -> FakeEngineClient:
     return FakeEngineClient(vocab_size=tokenizer.vocab_size, avoid_token_ids=avoid, **kwargs)
 
 
+_APP_OPTIONS = ("max_seqs_per_request", "max_request_bytes", "metrics_require_key", "sse_keepalive_s",
+                "max_running_seqs")
+
+
 @contextmanager
 def serve_fake(tokenizer: Tokenizer | None, *, model_name: str = "fake-model", api_key: str | None = None,
-               allowed_origins: tuple[str, ...] = ("*",), max_queued_requests: int = 1024,
-               engine: FakeEngineClient | None = None, **engine_kwargs) -> Iterator[tuple["BackgroundServer", FakeEngineClient]]:
-    """The real app with a fake engine, served in a background thread: ``(server, engine)``."""
+               allowed_origins: tuple[str, ...] = (), max_queued_requests: int = 1024,
+               engine: FakeEngineClient | None = None, **kwargs) -> Iterator[tuple["BackgroundServer", FakeEngineClient]]:
+    """The real app with a fake engine, served in a background thread: ``(server, engine)``.
+    Keyword arguments named in ``_APP_OPTIONS`` go to ``build_app``, the others to the engine."""
     from .server import BackgroundServer, build_app
 
+    app_kwargs = {k: kwargs.pop(k) for k in _APP_OPTIONS if k in kwargs}
     if engine is None:
-        engine = fake_engine_for(tokenizer, **engine_kwargs) if tokenizer is not None else FakeEngineClient(**engine_kwargs)
-    app = build_app(engine, tokenizer, model_name, api_key, list(allowed_origins), max_queued_requests)
+        engine = fake_engine_for(tokenizer, **kwargs) if tokenizer is not None else FakeEngineClient(**kwargs)
+    app = build_app(engine, tokenizer, model_name, api_key, list(allowed_origins), max_queued_requests, **app_kwargs)
     with BackgroundServer(app) as server:
         yield server, engine
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m frontend.fake_engine``: the real server with graceful drain on a fake engine,
+    for trying the frontend (and testing shutdown) without a model."""
+    import argparse
+    import logging
+
+    from model.checkpoint_maker import default_model_dir
+
+    from .server import build_app, run_app
+
+    parser = argparse.ArgumentParser(prog="python -m frontend.fake_engine")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--per-token-s", type=float, default=0.01)
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0)
+    parser.add_argument("--max-queued-requests", type=int, default=1024)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    tokenizer = Tokenizer(default_model_dir())
+    engine = fake_engine_for(tokenizer, per_token_s=args.per_token_s)
+    app = build_app(engine, tokenizer, "fake-model", None, [], args.max_queued_requests)
+    server = run_app(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, log_level="warning")
+    return 1 if server.forced else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -5,6 +5,10 @@ Requests follow OpenAI's field names and limits plus vLLM's extensions (``top_k`
 ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ...). Unknown fields
 are ignored, as OpenAI does. Integers and strings are strict (``"3"`` is not a number, ``true``
 is not 1); numbers given where floats are expected are fine.
+
+Every number has both bounds (and floats must be finite), so any value JSON can express is
+either accepted or refused with a 400 naming the field: nothing out of range reaches the engine
+(where a 2**64 ``top_k`` used to overflow into a 500), and nothing is silently clamped.
 """
 
 from __future__ import annotations
@@ -17,13 +21,17 @@ from pydantic import BaseModel, ConfigDict, Field
 # Field limits shared by both endpoints.
 MAX_LOGPROBS = 20
 MAX_N = 128
+MAX_INT = 2**31 - 1  # token counts, top_k: far above any context, well inside the engine's int64
+MAX_TEMPERATURE = 100.0  # far beyond any useful value (2 is OpenAI's maximum)
+MAX_REPETITION_PENALTY = 100.0
+MAX_LIST_ITEMS = 1024  # stop strings, stop token ids and logit_bias entries of one request
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1 - MAX_N  # room for seed + choice index
 
 OptionalFloat = float | None
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -36,18 +44,19 @@ class SamplingRequest(_Request):
 
     model: str | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    temperature: Annotated[OptionalFloat, Field(ge=0.0)] = None  # None -> 1.0
+    temperature: Annotated[OptionalFloat, Field(ge=0.0, le=MAX_TEMPERATURE)] = None  # None -> 1.0
     top_p: Annotated[OptionalFloat, Field(gt=0.0, le=1.0)] = None
-    top_k: Annotated[int | None, Field(ge=-1)] = None
+    top_k: Annotated[int | None, Field(ge=-1, le=MAX_INT)] = None
     min_p: Annotated[OptionalFloat, Field(ge=0.0, le=1.0)] = None
     seed: Annotated[int | None, Field(ge=SEED_MIN, le=SEED_MAX)] = None
     presence_penalty: Annotated[OptionalFloat, Field(ge=-2.0, le=2.0)] = None
     frequency_penalty: Annotated[OptionalFloat, Field(ge=-2.0, le=2.0)] = None
-    repetition_penalty: Annotated[OptionalFloat, Field(gt=0.0)] = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    repetition_penalty: Annotated[OptionalFloat, Field(gt=0.0, le=MAX_REPETITION_PENALTY)] = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None,
+                          Field(max_length=MAX_LIST_ITEMS)] = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_LIST_ITEMS)] | None = None
+    stop_token_ids: Annotated[list[int] | None, Field(max_length=MAX_LIST_ITEMS)] = None
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_INT)] = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -58,10 +67,10 @@ class SamplingRequest(_Request):
 
 class CompletionRequest(SamplingRequest):
     prompt: Any = None  # str | list[str] | list[int] | list[list[int]], checked by serving.parse_prompts
-    max_tokens: Annotated[int | None, Field(ge=0)] = 16
+    max_tokens: Annotated[int | None, Field(ge=0, le=MAX_INT)] = 16
     echo: bool | None = False
     logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None
-    best_of: Annotated[int | None, Field(ge=1)] = None
+    best_of: Annotated[int | None, Field(ge=1, le=MAX_N)] = None
     suffix: str | None = None
     return_token_ids: bool = False  # vLLM: prompt_token_ids / token_ids in each choice
 
@@ -79,8 +88,8 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int | None, Field(ge=0)] = None  # None: up to the context length
-    max_completion_tokens: Annotated[int | None, Field(ge=0)] = None  # OpenAI's newer name, preferred
+    max_tokens: Annotated[int | None, Field(ge=0, le=MAX_INT)] = None  # None: up to the context length
+    max_completion_tokens: Annotated[int | None, Field(ge=0, le=MAX_INT)] = None  # OpenAI's newer name, preferred
     logprobs: bool | None = False
     top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None
     add_generation_prompt: bool = True
@@ -195,7 +204,7 @@ class ModelCard(msgspec.Struct):
     max_model_len: int
     object: str = "model"
     owned_by: str = "mini-deepinfer"
-    root: str | None = None
+    root: str | None = None  # the served model name: never the server's checkpoint path
 
 
 class ModelList(msgspec.Struct):

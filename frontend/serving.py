@@ -22,12 +22,19 @@ from fastapi import Request
 
 from engine_core.protocol import SamplingParams
 
+from .admission import Admission, Reservation
 from .engine_client import EngineClientBase, QueueFullError
-from .errors import APIError, bad_request, overloaded
+from .errors import APIError, bad_request
 from .metrics import FrontendMetrics, RequestTimer
 from .openai_types import SamplingRequest
 from .output_stream import OutputStream, StreamDelta
 from .tokenizer import Tokenizer
+
+
+# A text prompt longer than max_model_len * this many characters cannot fit the context with any
+# tokenizer we serve (a BPE token averages ~4 characters; even long whitespace runs stay far
+# below 32): it is refused before tokenizing, so an oversized prompt costs no tokenizer time.
+MAX_CHARS_PER_TOKEN = 32
 
 
 @dataclass
@@ -35,8 +42,8 @@ class ServingContext:
     engine: EngineClientBase
     tokenizer: Tokenizer | None
     model_name: str
-    max_queued_requests: int
-    model_root: str | None = None
+    admission: Admission
+    sse_keepalive_s: float = 15.0  # a ": keep-alive" comment this often while a stream waits
     metrics: FrontendMetrics = None  # type: ignore[assignment]
     pending_first_output: int = 0  # engine requests sent that have not produced an output yet
     _request_counter: itertools.count = field(default_factory=itertools.count)
@@ -53,6 +60,10 @@ class ServingContext:
     def vocab_size(self) -> int:
         return self.engine.info.vocab_size
 
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.max_model_len * MAX_CHARS_PER_TOKEN
+
     def check_model(self, model: str | None) -> None:
         if model and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model",
@@ -63,13 +74,21 @@ class ServingContext:
             raise bad_request(f"this model has no tokenizer: {what} is not available; send token ids", param)
         return self.tokenizer
 
-    def admit(self, num_engine_requests: int) -> None:
-        """Backpressure: refuse (503) while too many sent requests still wait for their first
-        output. A lone request always gets in, whatever its ``n``."""
-        pending = self.pending_first_output
-        if pending > 0 and pending + num_engine_requests > self.max_queued_requests:
-            self.metrics.rejected.inc()
-            raise overloaded(f"the server is overloaded ({pending} requests waiting), retry later")
+    def check_text_length(self, num_chars: int, param: str) -> None:
+        """Refuse text that cannot fit the context, before spending any time tokenizing it."""
+        if num_chars > self.max_prompt_chars:
+            raise bad_request(f"{param} is {num_chars} characters long; it cannot fit this model's context of "
+                              f"{self.max_model_len} tokens (at most {self.max_prompt_chars} characters are "
+                              "accepted)", param)
+
+    def admit(self, num_engine_requests: int) -> Reservation:
+        """Reserve the request's engine sequences (see admission.py), or refuse it (400/503)."""
+        try:
+            return self.admission.reserve(num_engine_requests)
+        except APIError as exc:
+            if exc.status == 503:
+                self.metrics.rejected.inc()
+            raise
 
     def engine_request_id(self, request_id: str) -> str:
         """A base engine id for one HTTP request; unique even when clients reuse X-Request-Id."""
@@ -96,7 +115,9 @@ def _is_token_list(value) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def parse_prompts(value, ctx: ServingContext) -> list[PromptInput]:
+async def parse_prompts(value, ctx: ServingContext, n: int) -> list[PromptInput]:
+    """The prompts, tokenized. Their number (x ``n``) and text lengths are checked first, so an
+    oversized request is refused without tokenizing anything."""
     if value is None:
         raise bad_request("prompt is required", "prompt")
     if isinstance(value, str):
@@ -111,12 +132,16 @@ def parse_prompts(value, ctx: ServingContext) -> list[PromptInput]:
         raise bad_request("prompt must not be empty", "prompt")
     else:
         raise bad_request(f"prompt must be {_PROMPT_SHAPES}", "prompt")
+    ctx.admission.check_size(len(items) * n)
+    for item in items:
+        if isinstance(item, str):
+            ctx.check_text_length(len(item), "prompt")
     prompts = []
     for item in items:
         if isinstance(item, str):
             if not item:
                 raise bad_request("prompt must not be empty", "prompt")
-            ids = ctx.require_tokenizer("a text prompt", "prompt").encode(item)
+            ids = await ctx.require_tokenizer("a text prompt", "prompt").encode_async(item)
             prompts.append(PromptInput(ids, item))
         else:
             check_token_ids(item, ctx.vocab_size, "prompt")
@@ -318,14 +343,14 @@ def usage_counts(prompts: list[PromptInput], choices: list[Choice]) -> tuple[int
 
 async def finish_without_streaming(ctx: ServingContext, raw: Request, choices: list[Choice]) -> bool:
     """Run a non-streaming request's choices to the end. False if the client went away first (its
-    engine requests are then aborted); engine errors become API errors."""
+    engine requests are then aborted); engine errors become API errors, and a drain deadline a 503."""
     from .disconnect import ClientDisconnected, run_until_disconnect
     from .errors import error_for
 
     try:
-        await run_until_disconnect(raw, run_to_end(ctx, choices))
+        await run_until_disconnect(raw, run_to_end(ctx, choices), ctx.admission)
     except ClientDisconnected:
         return False
     except Exception as exc:
-        raise error_for(exc) from None
+        raise error_for(exc, request_id_of(raw)) from None
     return True

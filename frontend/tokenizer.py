@@ -1,9 +1,17 @@
 """The checkpoint's tokenizer: ``tokenizer.json`` (Hugging Face ``tokenizers``) plus
-``tokenizer_config.json`` (bos/eos, chat template), with incremental detokenization."""
+``tokenizer_config.json`` (bos/eos, chat template), with incremental detokenization.
+
+Large inputs are tokenized (and detokenized) off the event loop, in a small thread pool, through
+``encode_batch``/``decode_batch``: unlike ``encode``/``decode``, those release the GIL while the
+Rust code runs, so a 5 MB prompt no longer stalls every other stream and ``/health`` for seconds.
+Small inputs stay inline: a thread hop costs more than tokenizing a few kilobytes.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -12,6 +20,12 @@ from tokenizers import decoders
 
 class TokenizerError(ValueError):
     pass
+
+
+OFF_LOOP_CHARS = 16_384  # texts at least this long are encoded in the pool
+OFF_LOOP_TOKENS = 4_096  # token lists at least this long are decoded in the pool
+# Two threads: large requests do not queue behind one another, and they leave cores to the rest.
+_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenizer")
 
 
 def _token_text(value) -> str | None:
@@ -66,6 +80,24 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _encode_unlocked(self, text: str, add_special_tokens: bool) -> list[int]:
+        ids = self.hf.encode_batch([text], add_special_tokens=False)[0].ids  # releases the GIL
+        return [self.bos_token_id] + ids if add_special_tokens and self.add_bos else ids
+
+    async def encode_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``encode`` that never blocks the event loop for long (large texts go to the pool)."""
+        if len(text) < OFF_LOOP_CHARS:
+            return self.encode(text, add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(_pool, self._encode_unlocked, text,
+                                                                 add_special_tokens)
+
+    async def decode_async(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """``decode`` that never blocks the event loop for long (long token lists go to the pool)."""
+        if len(ids) < OFF_LOOP_TOKENS:
+            return self.decode(ids, skip_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(
+            _pool, lambda: self.hf.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0])
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.hf.id_to_token(token_id)

@@ -5,11 +5,18 @@ outputs (batched per step); both are bound here, on endpoints unique to this ser
 outputs and routes each delta to its request's queue; another watches the engine process, so a
 crash is noticed even when no output arrives. A request whose consumer goes away (client
 disconnect cancels the handler) is aborted in the engine.
+
+The output reader survives any bytes: a malformed message is logged (rate-limited) and dropped.
+The monitor also pings the engine loop each second; a loop that answers nothing for longer than a
+step may take (``step_timeout``) plus ``ENGINE_UNRESPONSIVE_GRACE_S`` is declared dead, so no
+stream waits forever even if the engine core itself is wedged. The socket directory is removed at
+shutdown, or at interpreter exit if shutdown never ran.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import multiprocessing
@@ -22,7 +29,7 @@ import zmq.asyncio
 
 from engine_core.config import EngineConfig
 from engine_core.engine_process import engine_main
-from engine_core.ipc import Endpoints, asend, decode_as, make_socket, split
+from engine_core.ipc import DropLog, Endpoints, asend, parse
 from engine_core.protocol import (AbortRequests, AddRequest, EngineOutputs, MessageType, RequestOutput,
                                   SamplingParams, SchedulerStats, UtilityRequest, UtilityResponse)
 
@@ -31,12 +38,23 @@ from .engine_client import EngineClientBase, EngineDeadError, EngineInfo
 log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 900.0
 MONITOR_INTERVAL_S = 1.0
+ENGINE_UNRESPONSIVE_GRACE_S = 10.0
+OUTPUT_TYPES = {MessageType.OUTPUTS: EngineOutputs, MessageType.UTILITY_RESPONSE: UtilityResponse,
+                MessageType.ENGINE_DEAD: UtilityResponse}
+
+
+def _consume(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 class ZmqEngineClient(EngineClientBase):
-    def __init__(self, config: EngineConfig, log_level: str = "INFO"):
+    def __init__(self, config: EngineConfig, log_level: str = "INFO", endpoints: Endpoints | None = None):
+        """``endpoints``: default, a private ``ipc://`` directory; ``Endpoints.tcp()`` for CURVE over TCP."""
         self.config, self.log_level = config, log_level
-        self.endpoints = Endpoints.local()
+        self.endpoints = endpoints or Endpoints.local()
+        atexit.register(self.endpoints.cleanup)
+        self._drops = DropLog("frontend engine outputs")
         self.context = zmq.asyncio.Context()
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending_calls: dict[int, asyncio.Future] = {}
@@ -48,8 +66,8 @@ class ZmqEngineClient(EngineClientBase):
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        self.requests = make_socket(self.context, zmq.PUSH, self.endpoints.requests, bind=True)
-        self.outputs = make_socket(self.context, zmq.PULL, self.endpoints.outputs, bind=True)
+        self.requests = self.endpoints.socket(self.context, zmq.PUSH, self.endpoints.requests, bind=True)
+        self.outputs = self.endpoints.socket(self.context, zmq.PULL, self.endpoints.outputs, bind=True)
         ctx = multiprocessing.get_context("spawn")
         self.process = ctx.Process(target=engine_main, name="mini-deepinfer-engine-core",
                                    args=(msgspec.json.encode(self.config), msgspec.json.encode(self.endpoints),
@@ -66,8 +84,10 @@ class ZmqEngineClient(EngineClientBase):
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if await self.outputs.poll(200):
-                kind, payload = split(await self.outputs.recv_multipart(copy=False))
-                message = decode_as(payload, UtilityResponse)
+                parsed = parse(await self.outputs.recv_multipart(copy=False), OUTPUT_TYPES, self._drops)
+                if parsed is None or parsed[0] is MessageType.OUTPUTS:
+                    continue
+                kind, message = parsed
                 if kind is MessageType.ENGINE_DEAD:
                     raise EngineDeadError(f"the engine failed to start: {message.result}")
                 if kind is MessageType.UTILITY_RESPONSE and message.result == "ready":
@@ -88,33 +108,57 @@ class ZmqEngineClient(EngineClientBase):
         self.outputs.close()
         self.context.term()
         self.endpoints.cleanup()
+        atexit.unregister(self.endpoints.cleanup)
 
     # ------------------------------------------------------------------ background tasks
     async def _read_outputs(self) -> None:
         while True:
-            kind, payload = split(await self.outputs.recv_multipart(copy=False))
-            if kind is MessageType.OUTPUTS:
-                batch = decode_as(payload, EngineOutputs)
-                self._stats = batch.stats
-                for output in batch.outputs:
-                    queue = self._queues.get(output.request_id)
-                    if queue is not None:
-                        queue.put_nowait(output)
-            elif kind is MessageType.UTILITY_RESPONSE:
-                response = decode_as(payload, UtilityResponse)
-                future = self._pending_calls.pop(response.call_id, None)
-                if future is not None and not future.done():
-                    future.set_result(response)
-                if response.stats is not None:
-                    self._stats = response.stats
-            elif kind is MessageType.ENGINE_DEAD:
-                self._die(decode_as(payload, UtilityResponse).result)
+            parsed = parse(await self.outputs.recv_multipart(copy=False), OUTPUT_TYPES, self._drops)
+            if parsed is None:
+                continue
+            try:
+                self._route(*parsed)
+            except Exception:  # noqa: BLE001 - the reader must outlive any one message
+                log.exception("could not route an engine message")
+
+    def _route(self, kind: MessageType, message) -> None:
+        if kind is MessageType.OUTPUTS:
+            self._stats = message.stats
+            for output in message.outputs:
+                queue = self._queues.get(output.request_id)
+                if queue is not None:
+                    queue.put_nowait(output)
+        elif kind is MessageType.UTILITY_RESPONSE:
+            future = self._pending_calls.pop(message.call_id, None)
+            if future is not None and not future.done():
+                future.set_result(message)
+            if message.stats is not None:
+                self._stats = message.stats
+        elif kind is MessageType.ENGINE_DEAD:
+            self._die(message.result)
 
     async def _monitor(self) -> None:
+        unresponsive_after = self.config.step_timeout + ENGINE_UNRESPONSIVE_GRACE_S
+        ping: tuple[asyncio.Future, float] | None = None
         while self._dead_reason is None:
             await asyncio.sleep(MONITOR_INTERVAL_S)
             if not self.process.is_alive():
                 self._die(f"the engine process exited (code {self.process.exitcode})")
+            elif self._tasks[0].done():
+                self._die("the engine output reader stopped")
+            elif ping is None or ping[0].done():
+                call_id, future = self._call()
+                future.add_done_callback(_consume)  # nobody awaits a liveness ping: mark its failure seen
+                ping = (future, time.monotonic())
+                await asend(self.requests, MessageType.UTILITY, UtilityRequest(call_id, "ping"))
+            elif time.monotonic() - ping[1] > unresponsive_after:
+                self._die(f"the engine core did not answer for {unresponsive_after:.0f} s")
+
+    def _call(self) -> tuple[int, asyncio.Future]:
+        """A call id and the future its utility response will resolve."""
+        call_id = next(self._call_ids)
+        future = self._pending_calls[call_id] = asyncio.get_running_loop().create_future()
+        return call_id, future
 
     def _die(self, reason: str) -> None:
         if self._dead_reason is not None:
@@ -165,9 +209,7 @@ class ZmqEngineClient(EngineClientBase):
     async def check_health(self, timeout: float = 5.0) -> bool:
         if self._dead_reason is not None or self.process is None or not self.process.is_alive():
             return False
-        call_id = next(self._call_ids)
-        future = asyncio.get_running_loop().create_future()
-        self._pending_calls[call_id] = future
+        call_id, future = self._call()
         await asend(self.requests, MessageType.UTILITY, UtilityRequest(call_id, "ping"))
         try:
             response = await asyncio.wait_for(future, timeout)

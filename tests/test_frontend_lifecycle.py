@@ -114,7 +114,8 @@ def test_chat_streaming_disconnect_aborts(served):
 
 
 def test_frontend_backpressure_503(tokenizer):
-    with serve_fake(tokenizer, max_queued_requests=1, ttft_s=0.5) as (server, _):
+    # capacity = 1 running + 0 queued sequences: the first request fills it
+    with serve_fake(tokenizer, max_queued_requests=0, max_num_seqs=1, ttft_s=0.5) as (server, _):
         first: list[httpx.Response] = []
         thread = threading.Thread(target=lambda: first.append(
             httpx.post(server.url + "/v1/completions", json={"prompt": "first", "max_tokens": 1})))
@@ -122,6 +123,7 @@ def test_frontend_backpressure_503(tokenizer):
         wait_for(lambda: scrape(server.url)["minideepinfer_frontend_requests_pending"] == 1, what="the first request")
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "second", "max_tokens": 1})
         assert r.status_code == 503 and r.json()["error"]["code"] == "server_overloaded"
+        assert r.headers["retry-after"] == "1"
         thread.join()
         assert first[0].status_code == 200
         assert scrape(server.url)["minideepinfer_requests_rejected_total"] == 1

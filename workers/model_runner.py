@@ -21,6 +21,7 @@ from model.loader import load_model
 from model.transformer import ModelOptions, V41Model
 
 from .cache_sizing import CacheCapacity, free_cuda_bytes_after_profile, plan_capacity
+from .memory import limit_native_caches
 from .sampler import RowSpec, SamplingBatch, prompt_logprobs, sample
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class ModelRunner:
         self.device = torch.device(config.device if config.device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         if self.device.type == "cpu":
             torch.set_num_threads(config.cpu_threads)
+            limit_native_caches()  # before the first forward: oneDNN reads its cache sizes once
         options = ModelOptions(batch_invariant=config.resolved_batch_invariant,
                                official_index_handoff=config.official_index_handoff, kernels=config.resolved_kernels)
         expert_range = expert_parallel.expert_range() if expert_parallel is not None else None

@@ -3,7 +3,9 @@ part on its model shard and caches, and returns its sampled tokens.
 
 Startup: set up torch.distributed when there are several ranks (experts are sharded over them),
 load the model, size and allocate the caches, then report ``ready`` with the cache geometry.
-The worker exits when the engine core asks, or when its parent process is gone.
+The worker exits when the engine core asks, or when its parent process is gone (then it also
+removes the socket directory, since nothing above it may be left to do so). A malformed message
+on the step socket is dropped (``ipc.parse``), never fatal; so is a plan without this rank's part.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ import msgspec
 import zmq
 
 from engine_core.config import EngineConfig
-from engine_core.ipc import Endpoints, decode_as, make_socket, send, split
+from engine_core.ipc import DropLog, Endpoints, parse, send
 from engine_core.protocol import MessageType, StepPlan, StepResult, WorkerControl
+
+from .memory import MallocTrimmer
 
 log = logging.getLogger(__name__)
 PARENT_CHECK_INTERVAL_MS = 1000
+STEP_TYPES = {MessageType.STEP: StepPlan, MessageType.CONTROL: WorkerControl}
 
 
 def _init_distributed(config: EngineConfig, rank: int, dist_port: int):
@@ -40,9 +45,9 @@ def worker_main(config_json: bytes, endpoints_json: bytes, rank: int, dist_port:
     endpoints = msgspec.json.decode(endpoints_json, type=Endpoints)
     parent = os.getppid()
     context = zmq.Context()
-    steps = make_socket(context, zmq.SUB, endpoints.steps, bind=False)
+    steps = endpoints.socket(context, zmq.SUB, endpoints.steps, bind=False)
     steps.setsockopt(zmq.SUBSCRIBE, b"")
-    results = make_socket(context, zmq.PUSH, endpoints.results, bind=False)
+    results = endpoints.socket(context, zmq.PUSH, endpoints.results, bind=False)
     try:
         runner = _build_runner(config, rank, dist_port)
     except Exception as exc:  # report why, so the engine can tell the user
@@ -55,23 +60,20 @@ def worker_main(config_json: bytes, endpoints_json: bytes, rank: int, dist_port:
         vocab_size=runner.cfg.vocab_size, eos_token_id=runner.cfg.eos_token_id))
     poller = zmq.Poller()
     poller.register(steps, zmq.POLLIN)
+    drops = DropLog(f"worker {rank} steps")
+    trimmer = MallocTrimmer()  # gives the heap's free pages back once the worker is idle
     try:
         while True:
             if not poller.poll(PARENT_CHECK_INTERVAL_MS):
+                trimmer.idle()
                 if os.getppid() != parent:
                     log.warning("engine core is gone; worker %d exits", rank)
+                    endpoints.cleanup()
                     return
                 continue
-            kind, payload = split(steps.recv_multipart(copy=False))
-            if kind is MessageType.STEP:
-                plan = decode_as(payload, StepPlan)
-                send(results, MessageType.STEP_RESULT, _run_step(runner, plan, rank))
-            elif kind is MessageType.CONTROL:
-                control = decode_as(payload, WorkerControl)
-                if control.command == "shutdown":
-                    return
-                if control.command == "ping":
-                    send(results, MessageType.CONTROL, WorkerControl("pong", rank, nonce=control.nonce))
+            if not handle_message(steps.recv_multipart(copy=False), runner, rank, results, drops):
+                return
+            trimmer.busy()
     finally:
         steps.close()
         results.close()
@@ -90,6 +92,24 @@ def _build_runner(config: EngineConfig, rank: int, dist_port: int):
 
     experts = V41Config.from_pretrained(config.model).num_routed_experts
     return ModelRunner(config, rank, ExpertParallelDispatcher(rank, config.dp_size, experts))
+
+
+def handle_message(frames: list, runner, rank: int, results, drops: DropLog) -> bool:
+    """Act on one message from the step socket; False when asked to shut down."""
+    message = parse(frames, STEP_TYPES, drops)
+    if message is None:
+        return True
+    kind, body = message
+    if kind is MessageType.STEP:
+        if not 0 <= rank < len(body.ranks):
+            drops.drop(f"step {body.step_id} has {len(body.ranks)} rank batch(es), none for rank {rank}")
+            return True
+        send(results, MessageType.STEP_RESULT, _run_step(runner, body, rank))
+    elif body.command == "shutdown":
+        return False
+    elif body.command == "ping":
+        send(results, MessageType.CONTROL, WorkerControl("pong", rank, nonce=body.nonce))
+    return True
 
 
 def _run_step(runner, plan: StepPlan, rank: int) -> StepResult:
