@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import EngineConfig
-from .protocol import StepPlan, StepResult
+from .protocol import StepPlan, StepResult, StructuredOutput
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,10 @@ class Executor(ABC):
     def check_health(self, idle: bool = False) -> None:
         """Raise if a worker is gone or stuck (``idle``: no step is in flight, so probing is cheap)."""
 
+    def prepare_grammar(self, structured: StructuredOutput) -> None:
+        """Let the workers compile a grammar in the background while its request waits for the
+        engine core's own compile, so that no step compiles one (in-process: one shared cache)."""
+
 
 class InProcessExecutor(Executor):
     def __init__(self, config: EngineConfig):
@@ -56,7 +60,7 @@ class InProcessExecutor(Executor):
         self.info = WorkerInfo(cap.num_blocks, cap.num_slots, cap.max_model_len, cfg.vocab_size, cfg.eos_token_id)
 
     def submit(self, plan: StepPlan):
-        return self.runner.execute(plan.step_id, plan.ranks[0])
+        return self.runner.execute(plan.step_id, plan.ranks[0], plan.released_seq_ids)
 
     def collect(self, handle) -> list[StepResult]:
         return [self.runner.collect(handle)]

@@ -33,7 +33,7 @@ import zmq
 from .config import EngineConfig
 from .executor import Executor, WorkerInfo
 from .ipc import DropLog, Endpoints, parse, send
-from .protocol import MessageType, StepPlan, StepResult, WorkerControl
+from .protocol import MessageType, StepPlan, StepResult, StructuredOutput, WorkerControl
 
 log = logging.getLogger(__name__)
 WORKER_START_TIMEOUT_S = 600.0
@@ -154,6 +154,9 @@ class MultiprocExecutor(Executor):
             self._drops.drop(f"{kind.name} from unknown rank {body.rank}")
             return None
         return message
+
+    def prepare_grammar(self, structured: StructuredOutput) -> None:
+        send(self.steps, MessageType.CONTROL, WorkerControl("grammar", grammar=structured))
 
     # ------------------------------------------------------------------ steps
     def submit(self, plan: StepPlan) -> int:

@@ -33,6 +33,17 @@ class MessageType(bytes, enum.Enum):
     ENGINE_DEAD = b"\x08"
 
 
+class StructuredOutput(msgspec.Struct, frozen=True, array_like=True):
+    """A constraint on the generated text, compiled with xgrammar against the model's tokenizer.
+
+    kind: ``json_schema`` (``spec`` a JSON schema text), ``json_object`` (any JSON object; ``spec``
+    empty), ``regex``, ``choice`` (``spec`` a JSON list of strings) or ``grammar`` (EBNF/GBNF).
+    """
+
+    kind: str
+    spec: str = ""
+
+
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     """How one request wants its tokens chosen and when it stops (OpenAI / vLLM semantics)."""
 
@@ -51,6 +62,7 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    structured: StructuredOutput | None = None  # constrained decoding (see StructuredOutput)
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -175,6 +187,9 @@ class SequenceStep(msgspec.Struct, array_like=True, omit_defaults=True):
     history_token_ids: list[int] = []  # all known tokens (prompt + outputs), only when penalties are on
     prompt_logprob_targets: list[int] = []  # token after each of the first rows: prompt logprobs wanted
     suppress_token_ids: list[int] = []  # never sample these now (stop tokens before min_tokens)
+    # constrained decoding: the output tokens known so far, on the chunk that samples a (re)admitted
+    # sequence's next token, so that the worker can (re)build its grammar matcher from them
+    structured_output_ids: list[int] = []
 
 
 class RankBatch(msgspec.Struct, array_like=True):
@@ -185,6 +200,7 @@ class StepPlan(msgspec.Struct, array_like=True):
     step_id: int
     is_prefill: bool
     ranks: list[RankBatch]  # one per DP rank; a rank with no sequences runs a placeholder step
+    released_seq_ids: list[int] = []  # constrained sequences finished since the last plan: drop their matchers
 
 
 class SampledToken(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -203,7 +219,7 @@ class StepResult(msgspec.Struct, array_like=True):
 
 
 class WorkerControl(msgspec.Struct, array_like=True):
-    command: str  # "shutdown" | "ping" | "pong" | "ready"
+    command: str  # "shutdown" | "ping" | "pong" | "ready" | "grammar"
     rank: int = -1
     nonce: int = 0
     # with "ready": the worker's cache geometry and model facts
@@ -213,6 +229,8 @@ class WorkerControl(msgspec.Struct, array_like=True):
     vocab_size: int = 0
     eos_token_id: int | None = None
     error: str = ""
+    # with "grammar": a structured-output spec to compile ahead of the steps that will need it
+    grammar: StructuredOutput | None = None
 
 
 # ----------------------------------------------------------------------------- encoding helpers

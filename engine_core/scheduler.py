@@ -62,6 +62,7 @@ class Scheduler:
         # row of each sampling sequence in the last planned step, per rank: the prev_row of its
         # next decode input while that step's result is still on the device
         self._last_rows: dict[int, int] = {}
+        self._released: list[int] = []  # finished constrained sequences not yet told to the workers
 
     # ------------------------------------------------------------------ requests
     def add(self, seq: Sequence) -> None:
@@ -107,7 +108,8 @@ class Scheduler:
         if not any(rows):
             return None
         self._last_rows = {step.seq_id: i for rank_rows in rows for i, step in enumerate(rank_rows) if step.sample}
-        plan = StepPlan(self.next_step_id, is_prefill, [RankBatch(r) for r in rows])
+        plan = StepPlan(self.next_step_id, is_prefill, [RankBatch(r) for r in rows], self._released)
+        self._released = []
         self.next_step_id += 1
         return plan
 
@@ -165,7 +167,8 @@ class Scheduler:
         if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_done:
             # logits at position t predict token t + 1, so prompt targets stop at the last prompt token
             targets = seq.tokens(start + 1, min(end, seq.num_prompt_tokens - 1) + 1)
-        out.append(self._step(seq, seq.tokens(start, end), sample, prompt_targets=targets))
+        out.append(self._step(seq, seq.tokens(start, end), sample, prompt_targets=targets,
+                              structured_outputs=sample and seq.params.structured is not None))
         seq.num_cached_tokens = end
         if sample:
             seq.num_inflight_tokens += 1
@@ -216,7 +219,7 @@ class Scheduler:
                 seq.num_inflight_tokens += 1
 
     def _step(self, seq: Sequence, token_ids: list[int], sample: bool, prev_row: int = -1,
-              prompt_targets: list[int] | None = None) -> SequenceStep:
+              prompt_targets: list[int] | None = None, structured_outputs: bool = False) -> SequenceStep:
         params = seq.params
         suppress: list[int] = []
         if sample and seq.num_outputs_expected < params.min_tokens:
@@ -229,7 +232,8 @@ class Scheduler:
             params=params if (sample or prompt_targets) else None, prev_row=prev_row,
             previous_start=seq.previous_start, num_prompt_tokens=seq.num_prompt_tokens,
             history_token_ids=seq.tokens(0, seq.num_tokens) if params.uses_penalties else [],
-            prompt_logprob_targets=prompt_targets or [], suppress_token_ids=suppress)
+            prompt_logprob_targets=prompt_targets or [], suppress_token_ids=suppress,
+            structured_output_ids=list(seq.output_token_ids) if structured_outputs else [])
         seq.previous_start = seq.num_cached_tokens
         return step
 
@@ -297,6 +301,8 @@ class Scheduler:
             rank.running.remove(seq)
             self._release(seq, rank)
         seq.status = SequenceStatus.FINISHED
+        if seq.params.structured is not None:
+            self._released.append(seq.seq_id)
         seq.finish_reason = reason
         self.live.pop(seq.seq_id, None)
         self.by_request.pop(seq.request_id, None)

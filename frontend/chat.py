@@ -22,6 +22,7 @@ from .openai_types import (ChatChoice, ChatChunkChoice, ChatCompletionRequest, C
                            ChatMessage, ChatMessageOut, Usage, to_json)
 from .serving import (PromptInput, ServingContext, all_deltas, build_params, check_context_length, make_choices,
                       finish_without_streaming, request_id_of, stop_strings, usage_counts)
+from .structured_output import resolve_structured
 from .tokenizer import TokenizerError
 
 # OpenAI's roles; "developer" is the newer name of "system". Whether the model's template can
@@ -70,9 +71,11 @@ class _ChatCompletion:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         ctx.admission.check_size(req.n)
-        return cls(ctx, raw, req, await render_messages(ctx, req.messages, req.add_generation_prompt))
+        structured = await resolve_structured(req, ctx)
+        return cls(ctx, raw, req, await render_messages(ctx, req.messages, req.add_generation_prompt), structured)
 
-    def __init__(self, ctx: ServingContext, raw: Request, req: ChatCompletionRequest, prompt_ids: list[int]):
+    def __init__(self, ctx: ServingContext, raw: Request, req: ChatCompletionRequest, prompt_ids: list[int],
+                 structured=None):
         self.ctx, self.req = ctx, req
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:  # as much as the context leaves
@@ -81,7 +84,7 @@ class _ChatCompletion:
             max_tokens = ctx.max_model_len - len(prompt_ids)
         check_context_length(ctx, len(prompt_ids), max_tokens)
         self.top_n = (req.top_logprobs or 0) if req.logprobs else None
-        params = build_params(req, ctx, max_tokens=max_tokens, logprobs=self.top_n)
+        params = build_params(req, ctx, max_tokens=max_tokens, logprobs=self.top_n, structured=structured)
         stop = stop_strings(req, ctx)
         self.prompts = [PromptInput(prompt_ids, None)]
         self.choices = make_choices(ctx, raw, self.prompts, req.n, params, req, stop, accumulate=not req.stream)

@@ -20,6 +20,7 @@ from .logprobs import LogprobFormatter
 from .openai_types import (CompletionChoice, CompletionChoiceWithIds, CompletionRequest, CompletionResponse, Usage,
                           to_json)
 from .output_stream import StreamDelta
+from .structured_output import resolve_structured
 from .serving import (Choice, PromptInput, ServingContext, all_deltas, build_params, check_context_length,
                       make_choices, parse_prompts, finish_without_streaming, request_id_of, stop_strings, usage_counts)
 
@@ -42,14 +43,16 @@ class _Completion:
                               f"({req.n})", "best_of")
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
+        structured = await resolve_structured(req, ctx)
         prompts = await parse_prompts(req.prompt, ctx, req.n)
         if req.echo and ctx.tokenizer is not None:  # decode token-id prompts now, off the event loop if long
             for prompt in prompts:
                 if prompt.text is None:
                     prompt.text = await ctx.tokenizer.decode_async(prompt.token_ids)
-        return cls(ctx, raw, req, prompts)
+        return cls(ctx, raw, req, prompts, structured)
 
-    def __init__(self, ctx: ServingContext, raw: Request, req: CompletionRequest, prompts: list[PromptInput]):
+    def __init__(self, ctx: ServingContext, raw: Request, req: CompletionRequest, prompts: list[PromptInput],
+                 structured=None):
         self.ctx, self.req = ctx, req
         self.prompts = prompts
         max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
@@ -57,7 +60,8 @@ class _Completion:
             check_context_length(ctx, len(prompt.token_ids), max_tokens)
         self.echo = bool(req.echo)
         prompt_logprobs = req.logprobs if self.echo and req.logprobs is not None else None
-        params = build_params(req, ctx, max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
+        params = build_params(req, ctx, max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
+                              structured=structured)
         stop = stop_strings(req, ctx)
         # max_tokens 0 only needs the engine for the prompt's logprobs
         self.needs_engine = max_tokens > 0 or prompt_logprobs is not None

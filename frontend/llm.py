@@ -39,6 +39,7 @@ class GenerationResult:
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    error: str = ""  # why the engine ended the request (e.g. a structured-output spec that does not compile)
 
 
 class LLM:
@@ -90,6 +91,8 @@ class LLM:
                     result.logprobs = (result.logprobs or []) + out.logprobs
                 if out.prompt_logprobs is not None:
                     result.prompt_logprobs = out.prompt_logprobs
+                if out.error:
+                    result.error = out.error
                 if out.finish_reason is not None:
                     result.finish_reason = out.finish_reason
                     if progress is not None:

@@ -2,7 +2,9 @@
 types (msgspec structs: encoding a streamed chunk is on the per-token path, so it must be cheap).
 
 Requests follow OpenAI's field names and limits plus vLLM's extensions (``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ...). Unknown fields
+``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ...) and the structured-output
+fields (OpenAI's ``response_format``; vLLM's ``guided_json``, ``guided_regex``, ``guided_choice``,
+``guided_grammar`` and ``structured_outputs``; see structured_output.py). Unknown fields
 are ignored, as OpenAI does. Integers and strings are strict (``"3"`` is not a number, ``true``
 is not 1); numbers given where floats are expected are fine.
 
@@ -39,6 +41,28 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
+class JsonSchemaFormat(_Request):
+    name: str | None = None  # OpenAI requires it; it names the schema and constrains nothing
+    description: str | None = None
+    schema_: Any = Field(None, alias="schema")  # checked (a JSON object) by structured_output.py
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Request):
+    """vLLM's newer form of the ``guided_*`` fields: exactly one of them."""
+
+    json_: Any = Field(None, alias="json")  # a schema object or its JSON text
+    regex: str | None = None
+    choice: Annotated[list[str] | None, Field(max_length=MAX_LIST_ITEMS)] = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingRequest(_Request):
     """The fields /v1/completions and /v1/chat/completions share."""
 
@@ -63,6 +87,13 @@ class SamplingRequest(_Request):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # structured output: at most one of these (structured_output.py maps and checks them)
+    response_format: ResponseFormat | None = None
+    guided_json: Any = None  # a schema object or its JSON text
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str] | None, Field(max_length=MAX_LIST_ITEMS)] = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
 
 class CompletionRequest(SamplingRequest):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import msgspec
 from fastapi import Request
 
-from engine_core.protocol import SamplingParams
+from engine_core.protocol import SamplingParams, StructuredOutput
 
 from .admission import Admission, Reservation
 from .engine_client import EngineClientBase, QueueFullError
@@ -47,10 +47,22 @@ class ServingContext:
     metrics: FrontendMetrics = None  # type: ignore[assignment]
     pending_first_output: int = 0  # engine requests sent that have not produced an output yet
     _request_counter: itertools.count = field(default_factory=itertools.count)
+    _grammar_validator: object = None  # structured_output.GrammarValidator, made at first use
 
     def __post_init__(self) -> None:
         if self.metrics is None:
             self.metrics = FrontendMetrics(self.engine, lambda: self.pending_first_output)
+
+    def grammar_validator(self):
+        """The server's structured-output validator (one xgrammar compiler and cache), or None
+        without xgrammar or a tokenizer."""
+        if self._grammar_validator is None and self.tokenizer is not None:
+            from .structured_output import GrammarValidator, xgrammar_available
+
+            if xgrammar_available():
+                self._grammar_validator = GrammarValidator(self.tokenizer, self.vocab_size,
+                                                           self.engine.info.eos_token_id)
+        return self._grammar_validator
 
     @property
     def max_model_len(self) -> int:
@@ -175,7 +187,7 @@ def stop_strings(req: SamplingRequest, ctx: ServingContext) -> list[str]:
 
 
 def build_params(req: SamplingRequest, ctx: ServingContext, *, max_tokens: int, logprobs: int | None,
-                 prompt_logprobs: int | None = None) -> SamplingParams:
+                 prompt_logprobs: int | None = None, structured: StructuredOutput | None = None) -> SamplingParams:
     """The engine's sampling parameters of the request's first choice (``seed`` shifts per choice)."""
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options may only be set when stream is true", "stream_options")
@@ -207,7 +219,8 @@ def build_params(req: SamplingRequest, ctx: ServingContext, *, max_tokens: int, 
             frequency_penalty=given(req.frequency_penalty, 0.0),
             repetition_penalty=given(req.repetition_penalty, 1.0), logit_bias=logit_bias, seed=req.seed,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, max_tokens=max_tokens,
-            min_tokens=req.min_tokens, stop_token_ids=stop_token_ids, ignore_eos=req.ignore_eos)
+            min_tokens=req.min_tokens, stop_token_ids=stop_token_ids, ignore_eos=req.ignore_eos,
+            structured=structured)
     except ValueError as exc:
         raise bad_request(str(exc)) from None
 

@@ -3,7 +3,9 @@
 It owns the model replica, its ``V41Cache`` (paged blocks + state slots, allocated once), and the
 tokens it sampled in the previous step, kept on the device: with zero-overhead scheduling a decode
 input the CPU has not seen yet is taken from there (``SequenceStep.prev_row``). ``execute`` only
-launches work; every device-to-host read of a step happens in ``collect`` (the one wait point).
+launches work; every device-to-host read of a step happens in ``collect`` (the one wait point),
+except for constrained rows (structured output) whose input token is still on the device: their
+grammar matchers need it before the mask of this step can be filled (see workers.structured_output).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from model.transformer import ModelOptions, V41Model
 from .cache_sizing import CacheCapacity, free_cuda_bytes_after_profile, plan_capacity
 from .memory import limit_native_caches
 from .sampler import RowSpec, SamplingBatch, prompt_logprobs, sample
+from .structured_output import StructuredState, apply_bitmask
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +42,7 @@ class PendingStep:
     top_logprobs: torch.Tensor | None
     sample_index: list[int]  # sequence index of each sampled row
     prompt_logprobs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # seq index -> tensors
+    constrained: bool = False  # some sampled row follows a grammar: its matcher takes the token at collect
 
 
 class ModelRunner:
@@ -65,6 +69,7 @@ class ModelRunner:
         self.cache = V41Cache.allocate(self.cfg, self.capacity.num_blocks, self.capacity.num_slots,
                                        config.block_size, self.device)
         self.last_sampled = torch.full((0,), -1, dtype=torch.long, device=self.device)
+        self.structured = StructuredState(config.model, self.cfg.vocab_size, self.cfg.eos_token_id)
 
     def _profile_forward(self) -> None:
         n = min(self.config.max_num_batched_tokens, self.cfg.max_position_embeddings)
@@ -75,7 +80,10 @@ class ModelRunner:
         del scratch
 
     # ------------------------------------------------------------------ one step
-    def execute(self, step_id: int, work: RankBatch) -> PendingStep:
+    def execute(self, step_id: int, work: RankBatch, released: list[int] = ()) -> PendingStep:
+        """``released``: constrained sequences that finished (their matchers are dropped)."""
+        if released:
+            self.structured.release(released)
         seqs = work.sequences
         if not seqs:
             self.last_sampled = self.last_sampled[:0]
@@ -91,9 +99,11 @@ class ModelRunner:
         rows = logit_rows + [o + j for o, n in prompt_rows.values() for j in range(n)]
         logits = self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]) if rows else None
         sampled = top_ids = top_lp = chosen_lp = None
+        constrained = False
         last = torch.full((len(seqs),), -1, dtype=torch.long, device=self.device)
         if sample_index:
             sample_logits = logits[: len(sample_index)]
+            constrained = self._apply_grammars(sample_logits, seqs, sample_index)
             output = sample(self._suppress(sample_logits, seqs, sample_index),
                             self._sampling_batch(seqs, sample_index))
             sampled, chosen_lp, top_ids, top_lp = (output.token_ids, output.logprobs, output.top_logprob_ids,
@@ -108,7 +118,8 @@ class ModelRunner:
             result = prompt_logprobs(logits[offset:offset + n], targets, step.params.prompt_logprobs or 0)
             prompt[i] = (result.token_logprobs, result.top_ids, result.top_logprobs)
             offset += n
-        return PendingStep(step_id, seqs, sampled, chosen_lp, top_ids, top_lp, sample_index, prompt)
+        return PendingStep(step_id, seqs, sampled, chosen_lp, top_ids, top_lp, sample_index, prompt,
+                           constrained)
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Bring a step's results to the CPU (the only device-to-host synchronisation of a step)."""
@@ -126,6 +137,8 @@ class ModelRunner:
                     logprob = TokenLogprob(ids[row], lps[row], top_ids[row][:n] if n else [],
                                            top_lps[row][:n] if n else [])
                 tokens[i] = SampledToken(step.seq_id, step.epoch, ids[row], logprob)
+                if pending.constrained and step.params.structured is not None:
+                    self.structured.accept_sampled(step.seq_id, step.epoch, step.start + len(step.token_ids), ids[row])
         for i, (lp, tids, tlps) in pending.prompt_logprobs.items():
             step = pending.sequences[i]
             entries = [TokenLogprob(t, v, a, b) for t, v, a, b in
@@ -174,6 +187,25 @@ class ModelRunner:
             if batch.seen_mask is not None:
                 batch.seen_mask[r_idx, toks] = True
         return batch
+
+    def _apply_grammars(self, logits: torch.Tensor, seqs: list[SequenceStep], sample_index: list[int]) -> bool:
+        """Mask the constrained rows of ``logits`` (in place) with their grammars' next-token bitmasks."""
+        rows = [r for r, i in enumerate(sample_index) if seqs[i].params.structured is not None]
+        if not rows:
+            return False
+        # inputs still on the device (zero-overhead scheduling, step not collected yet): one read for all
+        on_device = [r for r in rows if self.structured.needs_device_input(seqs[sample_index[r]])]
+        known: dict[int, int] = {}
+        if on_device:
+            prev = torch.tensor([seqs[sample_index[r]].prev_row for r in on_device], device=self.device)
+            known = dict(zip(on_device, self.last_sampled[prev].tolist()))
+        states = []
+        for r in rows:
+            step = seqs[sample_index[r]]
+            states.append(self.structured.prepare(step, step.start + len(step.token_ids), lambda r=r: known[r]))
+        bitmask = self.structured.fill_bitmask(states, rows, len(sample_index))
+        apply_bitmask(logits, bitmask, rows, self.cfg.vocab_size)
+        return True
 
     def _suppress(self, logits: torch.Tensor, seqs: list[SequenceStep], sample_index: list[int]) -> torch.Tensor:
         """Stop tokens a request may not produce yet (before min_tokens) get -inf."""

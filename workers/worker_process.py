@@ -109,12 +109,22 @@ def handle_message(frames: list, runner, rank: int, results, drops: DropLog) -> 
         return False
     elif body.command == "ping":
         send(results, MessageType.CONTROL, WorkerControl("pong", rank, nonce=body.nonce))
+    elif body.command == "grammar" and body.grammar is not None:
+        _prepare_grammar(runner, body.grammar)
     return True
+
+
+def _prepare_grammar(runner, structured) -> None:
+    """Start compiling in the background; a step that needs it takes the result (or the error)."""
+    try:
+        runner.structured.cache.submit(structured)
+    except Exception:  # an unreadable tokenizer: the engine core fails the request itself
+        log.exception("cannot prepare a grammar")
 
 
 def _run_step(runner, plan: StepPlan, rank: int) -> StepResult:
     try:
-        return runner.collect(runner.execute(plan.step_id, plan.ranks[rank]))
+        return runner.collect(runner.execute(plan.step_id, plan.ranks[rank], plan.released_seq_ids))
     except Exception:
         log.exception("step %d failed", plan.step_id)
         return StepResult(plan.step_id, rank, [], error=traceback.format_exc(limit=8))
