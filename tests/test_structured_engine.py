@@ -13,6 +13,7 @@ random model does produce them.
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import jsonschema
@@ -187,6 +188,19 @@ def test_eos_only_where_the_grammar_may_end(llm):
             assert re.fullmatch(r"(ab)+", r.text), r.text
         else:
             assert re.fullmatch(r"(ab)*a?", r.text), r.text
+
+
+def test_a_finished_grammar_wins_over_min_tokens(llm, caplog):
+    """A choice ends after a few tokens; min_tokens beyond that must not leave the row with no
+    allowed token (every logit -inf, then a token outside the grammar is sampled): the grammar's
+    EOS is kept until min_tokens is reached, and the text is the choice."""
+    choices = ["yes", "no"]
+    params = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=10,
+                            structured=StructuredOutput("choice", json.dumps(choices)))
+    with caplog.at_level(logging.WARNING, logger="workers.structured_output"):
+        r = llm.generate([PROMPTS[0]], [params], use_tqdm=False)[0]
+    assert not r.error and r.finish_reason == "stop" and r.text in choices, (r.text, r.finish_reason)
+    assert not [m for m in caplog.messages if "outside its grammar" in m], caplog.messages
 
 
 def test_workers_compile_a_grammar_when_its_request_is_admitted():

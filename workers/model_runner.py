@@ -208,7 +208,10 @@ class ModelRunner:
         return True
 
     def _suppress(self, logits: torch.Tensor, seqs: list[SequenceStep], sample_index: list[int]) -> torch.Tensor:
-        """Stop tokens a request may not produce yet (before min_tokens) get -inf."""
+        """Stop tokens a request may not produce yet (before min_tokens) get -inf.
+
+        A grammar that allows nothing but EOS wins over ``min_tokens``: its row keeps EOS (the
+        output is complete) rather than being left with no token at all."""
         rows, cols = [], []
         for r, i in enumerate(sample_index):
             for token in seqs[i].suppress_token_ids:
@@ -216,6 +219,9 @@ class ModelRunner:
                 cols.append(token)
         if not rows:
             return logits
-        logits = logits.clone()
-        logits[torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)] = -torch.inf
-        return logits
+        suppressed = logits.clone()
+        suppressed[torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)] = -torch.inf
+        if any(seqs[i].params.structured is not None for i in sample_index):
+            dead = ~torch.isfinite(suppressed).any(dim=-1, keepdim=True)  # no sync: a select, not a branch
+            suppressed = torch.where(dead, logits, suppressed)
+        return suppressed
