@@ -22,6 +22,7 @@ from .openai_types import (ChatChoice, ChatChunkChoice, ChatCompletionRequest, C
                            ChatMessage, ChatMessageOut, Usage, to_json)
 from .serving import (PromptInput, ServingContext, all_deltas, build_params, check_context_length, make_choices,
                       finish_without_streaming, request_id_of, stop_strings, usage_counts)
+from .request_fields import CHAT_FIELDS, check_fields
 from .structured_output import resolve_structured
 from .tokenizer import TokenizerError
 
@@ -146,7 +147,9 @@ class _ChatCompletion:
 
 
 async def create_chat_completion(ctx: ServingContext, raw: Request, body: bytes) -> Response:
-    chat = await _ChatCompletion.create(ctx, raw, ChatCompletionRequest.model_validate_json(body))
+    req = ChatCompletionRequest.model_validate_json(body)
+    check_fields(req, CHAT_FIELDS)
+    chat = await _ChatCompletion.create(ctx, raw, req)
     if chat.req.stream:
         return SSEResponse(chat.events(), keepalive_s=ctx.sse_keepalive_s, admission=ctx.admission,
                            on_close=chat.reservation.release)

@@ -20,6 +20,7 @@ from .logprobs import LogprobFormatter
 from .openai_types import (CompletionChoice, CompletionChoiceWithIds, CompletionRequest, CompletionResponse, Usage,
                           to_json)
 from .output_stream import StreamDelta
+from .request_fields import COMPLETION_FIELDS, check_fields
 from .structured_output import resolve_structured
 from .serving import (Choice, PromptInput, ServingContext, all_deltas, build_params, check_context_length,
                       make_choices, parse_prompts, finish_without_streaming, request_id_of, stop_strings, usage_counts)
@@ -41,8 +42,6 @@ class _Completion:
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request(f"best_of ({req.best_of}) is not supported: leave it out or set it equal to n "
                               f"({req.n})", "best_of")
-        if req.suffix:
-            raise bad_request("suffix is not supported", "suffix")
         structured = await resolve_structured(req, ctx)
         prompts = await parse_prompts(req.prompt, ctx, req.n)
         if req.echo and ctx.tokenizer is not None:  # decode token-id prompts now, off the event loop if long
@@ -170,7 +169,9 @@ async def _no_generation(choices: list[Choice]):
 
 
 async def create_completion(ctx: ServingContext, raw: Request, body: bytes) -> Response:
-    completion = await _Completion.create(ctx, raw, CompletionRequest.model_validate_json(body))
+    req = CompletionRequest.model_validate_json(body)
+    check_fields(req, COMPLETION_FIELDS)
+    completion = await _Completion.create(ctx, raw, req)
     if completion.req.stream:
         return SSEResponse(completion.events(), keepalive_s=ctx.sse_keepalive_s, admission=ctx.admission,
                            on_close=completion.release)

@@ -4,8 +4,9 @@ types (msgspec structs: encoding a streamed chunk is on the per-token path, so i
 Requests follow OpenAI's field names and limits plus vLLM's extensions (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ...) and the structured-output
 fields (OpenAI's ``response_format``; vLLM's ``guided_json``, ``guided_regex``, ``guided_choice``,
-``guided_grammar`` and ``structured_outputs``; see structured_output.py). Unknown fields
-are ignored, as OpenAI does. Integers and strings are strict (``"3"`` is not a number, ``true``
+``guided_grammar`` and ``structured_outputs``; see structured_output.py). Fields not declared
+here land in ``model_extra``: request_fields.py refuses the unsupported ones (400 naming them) and
+logs a warning for the ones it drops, as vLLM does; nothing is silently ignored. Integers and strings are strict (``"3"`` is not a number, ``true``
 is not 1); numbers given where floats are expected are fine.
 
 Every number has both bounds (and floats must be finite), so any value JSON can express is
@@ -64,7 +65,10 @@ class StructuredOutputsParams(_Request):
 
 
 class SamplingRequest(_Request):
-    """The fields /v1/completions and /v1/chat/completions share."""
+    """The fields /v1/completions and /v1/chat/completions share (request_fields.py classifies
+    every other field)."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: str | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
@@ -86,7 +90,6 @@ class SamplingRequest(_Request):
     skip_special_tokens: bool = True
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     # structured output: at most one of these (structured_output.py maps and checks them)
     response_format: ResponseFormat | None = None
     guided_json: Any = None  # a schema object or its JSON text
@@ -102,7 +105,6 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = False
     logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None
     best_of: Annotated[int | None, Field(ge=1, le=MAX_N)] = None
-    suffix: str | None = None
     return_token_ids: bool = False  # vLLM: prompt_token_ids / token_ids in each choice
 
 
