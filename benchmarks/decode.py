@@ -13,8 +13,9 @@ time, so prefill and warm-up stay outside it; the first batch is run once more b
 The limit of a step is what the device must at least do: read every weight the step touches once
 (the dense weights, the head and the expected number of distinct routed experts hit by
 ``batch * top_k`` uniformly routed pairs, in their checkpoint formats) plus the KV entries it
-attends to, at the bandwidth measured here with a large device copy; and the step's matrix FLOPs at
-the bf16 tensor-core rate measured here. ``limit = max(bytes / bandwidth, flops / peak)``.
+attends to, at the bandwidth measured here; and the step's matrix FLOPs at the bf16 tensor-core
+rate measured here (both by ``benchmarks/device_limits.py``, as for ``benchmarks/kernels.py``).
+``limit = max(bytes / bandwidth, flops / peak)``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.device_limits import Timer, measure_ceilings  # noqa: E402
 from engine_core.protocol import SamplingParams  # noqa: E402
 from frontend.llm import LLM  # noqa: E402
 from model.config import V41Config  # noqa: E402
@@ -40,37 +42,6 @@ from model.loader import checkpoint_bytes, held_weight_bytes  # noqa: E402
 from model.weight_spec import checkpoint_tensors  # noqa: E402
 
 _BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1}
-
-
-def measure_bandwidth(device: str) -> float:
-    """Bytes per second of a 2 GiB device-to-device copy (read + write counted)."""
-    n = 1 << 30
-    src, dst = torch.empty(n, dtype=torch.uint8, device=device).random_(), torch.empty(n, dtype=torch.uint8, device=device)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * n * 10 / (start.elapsed_time(end) / 1e3)
-
-
-def measure_bf16_peak(device: str) -> float:
-    n = 8192
-    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        a @ b
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * n**3 * 20 / (start.elapsed_time(end) / 1e3)
 
 
 def step_cost(cfg: V41Config, batch: int, context: int) -> tuple[float, float]:
@@ -174,7 +145,8 @@ def main() -> int:
 
         args.model = str(make_checkpoint(Path(tempfile.mkdtemp()) / args.preset, preset=args.preset, config_only=True))
     cfg = V41Config.from_pretrained(Path(args.model))
-    bandwidth, peak = measure_bandwidth(device), measure_bf16_peak(device)
+    ceilings = measure_ceilings(torch.device(device), Timer(torch.device(device)), tiny=False, budget=0.5)
+    bandwidth, peak = ceilings.bandwidth, ceilings.bf16_flops
     gpu = torch.cuda.get_device_name()
     print(f"# {gpu}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s; "
           f"torch {torch.__version__}; model {args.model}", flush=True)

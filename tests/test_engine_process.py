@@ -14,6 +14,7 @@ import signal
 import time
 
 import pytest
+from server_harness import children
 
 from engine_core.config import EngineConfig
 from engine_core.protocol import SamplingParams
@@ -94,7 +95,7 @@ def test_abort_frees_everything_and_worker_death_is_noticed(checkpoint):
                     pass
             assert await client.check_health()
 
-            worker_pid = _child_pids(client.process.pid)
+            worker_pid = children(client.process.pid)
             assert worker_pid, "no worker process found"
             os.kill(worker_pid[0], signal.SIGKILL)
             deadline = time.monotonic() + 15
@@ -110,16 +111,3 @@ def test_abort_frees_everything_and_worker_death_is_noticed(checkpoint):
     asyncio.run(main())
 
 
-def _child_pids(pid: int) -> list[int]:
-    """Children of a process, from /proc (Linux)."""
-    children = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                if int(fields[1]) == pid:
-                    children.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue
-    return children

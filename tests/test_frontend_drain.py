@@ -11,23 +11,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+from server_harness import REPO, free_port, wait_healthy
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture()
@@ -35,22 +27,15 @@ def start_server():
     processes = []
 
     def start(shutdown_timeout: float, per_token_s: float = 0.005) -> tuple[subprocess.Popen, str]:
-        port = _free_port()
+        port = free_port()
         proc = subprocess.Popen([sys.executable, "-m", "frontend.fake_engine", "--port", str(port),
                                  "--per-token-s", str(per_token_s), "--shutdown-timeout", str(shutdown_timeout)],
                                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=dict(os.environ, PYTHONPATH=str(REPO)))
         processes.append(proc)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    return proc, url
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        raise AssertionError("the server did not start")
+        wait_healthy(proc, url, timeout=60)
+        return proc, url
 
     yield start
     for proc in processes:

@@ -13,8 +13,8 @@ import time
 
 import httpx
 import pytest
-from test_process_cleanup import (alive, children, process_name, short_tmp, start_server, stop,  # noqa: F401
-                                  tree, wait_until)
+from server_harness import alive, children, process_name, start_server
+from test_process_cleanup import short_tmp, stop, tree, wait_until  # noqa: F401 - short_tmp is a fixture
 
 from engine_core.config import EngineConfig
 from engine_core.mp_executor import idle_ping_timeout
@@ -59,7 +59,7 @@ def test_worker_stopped_mid_stream_fails_the_stream(tiny_checkpoint):
 
 
 def test_worker_stopped_while_idle_makes_the_server_exit(tiny_checkpoint, short_tmp):
-    process, base = start_server(tiny_checkpoint, short_tmp, "--step-timeout", "1")
+    process, base = start_server(tiny_checkpoint, "--step-timeout", "1", tmpdir=short_tmp)
     pids = tree(process.pid)
     try:
         os.kill(pids["worker"], signal.SIGSTOP)

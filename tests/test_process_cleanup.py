@@ -3,7 +3,8 @@ process and no socket directory behind, within a few seconds.
 
 The server runs as ``mini-deepinfer serve`` in a subprocess with ``TMPDIR`` pointing at a fresh
 directory, so its private socket directory is the only thing that can appear there. The helpers
-here (starting a server, walking its process tree) are shared with test_liveness.py.
+here and in server_harness.py (starting a server, walking its process tree) are shared with
+test_liveness.py.
 """
 
 from __future__ import annotations
@@ -11,18 +12,15 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import stat
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from server_harness import alive, children, process_name, start_server
 
 
 @pytest.fixture()
@@ -33,57 +31,6 @@ def short_tmp():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(checkpoint, tmpdir: Path, *extra: str) -> tuple[subprocess.Popen, str]:
-    """A healthy ``serve`` subprocess whose temporary files go to ``tmpdir``; returns it and its URL."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", "serve", "--model", str(checkpoint),
-           "--port", str(port), "--max-num-seqs", "4", "--max-num-batched-tokens", "64", *extra]
-    env = dict(os.environ, TMPDIR=str(tmpdir))
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited: {process.stdout.read()}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return process, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("server did not become healthy")
-
-
-def children(pid: int) -> list[int]:
-    """Direct children of a process, from /proc (Linux)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                if int(fields[1]) == pid:
-                    found.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue
-    return found
-
-
-def process_name(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def tree(pid: int) -> dict[str, int]:
     """The server's engine core and worker pids (the spawn children run ``multiprocessing.spawn``)."""
     engines = [c for c in children(pid) if "spawn_main" in process_name(c)]
@@ -91,14 +38,6 @@ def tree(pid: int) -> dict[str, int]:
     workers = [c for c in children(engines[0]) if "spawn_main" in process_name(c)]
     assert workers, "no worker process found"
     return {"engine": engines[0], "worker": workers[0]}
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-    except OSError:
-        return False
 
 
 def wait_until(predicate, timeout: float) -> float:
@@ -124,7 +63,7 @@ def stop(process: subprocess.Popen, pids) -> None:
 @pytest.mark.parametrize("victim", ["frontend", "engine", "worker"])
 def test_sigkill_leaves_no_orphans_and_no_socket_dir(tiny_checkpoint, short_tmp, victim):
     tmp_path = short_tmp
-    process, base = start_server(tiny_checkpoint, tmp_path)
+    process, base = start_server(tiny_checkpoint, tmpdir=tmp_path)
     pids = tree(process.pid)
     try:
         (socket_dir,) = list(tmp_path.iterdir())

@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import openai
 import pytest
+from server_harness import start_server, stop_server
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
@@ -66,39 +62,11 @@ SCHEMAS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
-    port = _free_port()
-    cmd = [sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", "serve", "--model", str(tiny_checkpoint),
-           "--port", str(port), "--max-num-seqs", "8", "--max-num-batched-tokens", "64"]
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               cwd=os.path.dirname(os.path.dirname(__file__)))
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited: {process.stdout.read()}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    else:
-        process.kill()
-        raise RuntimeError("server did not become healthy")
+    process, base = start_server(tiny_checkpoint, max_num_seqs=8)
     yield base
-    process.terminate()
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
+    stop_server(process)
 
 
 @pytest.fixture()
