@@ -39,21 +39,29 @@ sets and among enough distinct copies of its weight (>= 256 MB and >= 4x the L2 
 that no call finds its weight in L2. Before each chunk of timed calls the stream is held by a short
 device-side sleep long enough for the host to queue the whole chunk, so launch gaps are not counted:
 the times are device times, for all three backends (calls that read a value back to the host, the
-expert loops of the reference and of plain torch, are timed as they run, host included). The FP8
-linears of a whole layer are also captured in one CUDA graph (several layer instances, distinct
-weight copies) and replayed: the time a decode step spends in them, against the layer's memory limit.
+expert loops of the reference and of plain torch, are timed as they run, host included). At decode
+sizes (M <= 256) the Triton calls are timed as CUDA-graph replays of 16 calls (rotating inputs and
+weights), per call: launching a few-microsecond kernel from Python takes longer than the kernel,
+and no head start hides that. The FP8 linears of a whole layer are also captured in one CUDA graph
+(several layer instances, distinct weight copies) and replayed: the time a decode step spends in
+them, against the layer's memory limit.
 
 Correctness: every Triton result is compared with the reference's at the same shape (max abs
 difference over max |reference|); where the reference is skipped, with the reference on a subset
-of the rows (the Triton kernels are batch invariant, so a row's result does not depend on M). The
+of the rows (a row's result does not depend on the other rows: in the batch-invariant mode
+bit for bit, in the decode form within the tolerance). The
 script stops with exit status 1 if any difference exceeds 1e-2 or any output is not finite.
 
-``--tune`` sweeps tile configs for the FP8 linears (64 tokens x 16-128 features per tile) and the
-experts (16-64 tokens x 64-128 weight rows per tile), 3-5 stages, 4 warps per 64 rows of the
-tensor cores' 64-row side, at the decode M values, by overriding
-``model.kernels.tile_configs._BF16_MM_TABLE`` / ``_MOE_TABLE`` for the duration of each measurement,
-and prints the best config per (kernel, M). Every config keeps that side (what batch invariance
-needs); each one's output is compared bit for bit with the default config's.
+``--tune`` sweeps, at the decode M values, the decode form's configs of the FP8 linears (M <= 64:
+64-128 weight rows x 128-256 K columns per step, 3-4 stages, 2-8 programs per SM before split-K
+stops; outputs compared with the default config's within the tolerance, since another split sums
+in another order) and the experts' configs (16-32 tokens x 64-128 weight rows, 2-4 stages; outputs
+compared bit for bit: the experts' kernels are batch invariant; 4 or 8 warps), by
+overriding ``model.kernels.tile_configs`` tables for the duration of each measurement, and prints
+the best config per (kernel, M) and the best single config per M.
+
+``--batch-invariant`` measures the Triton backend's batch-invariant mode (every product in its
+prefill form) instead of the default (split-K decode form at M <= 64).
 
 Progress goes to stderr; the markdown tables are printed last on stdout; ``--json PATH`` writes
 every number. ``--device cpu`` (with ``--tiny``) sets TRITON_INTERPRET=1 itself when it is unset.
@@ -70,7 +78,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -82,6 +90,7 @@ from benchmarks.device_limits import STARTED, MB, Ceilings, Timer, Timing, log, 
 
 MAX_REL_ERR = 1e-2
 DECODE_MAX_M = 256
+GRAPH_CALLS = 16  # Triton calls per CUDA graph when timing decode sizes
 GB = 1e9
 
 # Set by _import_kernels() once the device (and so TRITON_INTERPRET) is known.
@@ -92,12 +101,15 @@ ReferenceKernels = TritonKernels = None
 quantize_fp8 = None
 GAINS: dict[str, float] = {}
 FP4_SCALE_DIVISOR = 3.2
+DECODE_FORM_MAX_M = 0
 
 
 def _import_kernels() -> None:
     global triton, tile_configs, QuantizedWeight, ExpertWeights, WeightFormat, TileConfig
-    global ReferenceKernels, TritonKernels, quantize_fp8, GAINS, FP4_SCALE_DIVISOR
+    global ReferenceKernels, TritonKernels, quantize_fp8, GAINS, FP4_SCALE_DIVISOR, DECODE_FORM_MAX_M
     import triton as _triton
+
+    from model.kernels.triton_decode_mm import MAX_TOKENS
 
     from model import checkpoint_maker
     from model.config import WeightFormat as _WeightFormat
@@ -108,6 +120,7 @@ def _import_kernels() -> None:
     from model.kernels.weights import QuantizedWeight as _QuantizedWeight
 
     triton, tile_configs = _triton, _tile_configs
+    DECODE_FORM_MAX_M = MAX_TOKENS
     QuantizedWeight, ExpertWeights, WeightFormat = _QuantizedWeight, _ExpertWeights, _WeightFormat
     TileConfig = _tile_configs.TileConfig
     ReferenceKernels, TritonKernels = _ReferenceKernels, _TritonKernels
@@ -328,7 +341,8 @@ class Bench:
     def __init__(self, args, device: torch.device, shapes: Shapes, ceil: Ceilings, timer: Timer):
         self.args, self.device, self.s, self.ceil, self.timer = args, device, shapes, ceil, timer
         self.gen = torch.Generator(device=device).manual_seed(args.seed)
-        self.tk = TritonKernels()
+        self.tk = TritonKernels(batch_invariant=args.batch_invariant)
+        self.tk_decode_max = 0 if args.batch_invariant else DECODE_FORM_MAX_M
         self.rk = ReferenceKernels(batch_invariant=False)
         self.specs = linear_specs(shapes)
         self.rotate_bytes = max(4 * ceil.l2_bytes, (256 * MB) if not args.tiny else (2 * MB))
@@ -437,7 +451,7 @@ class Bench:
         check(spec.name, m, row.rel_err, "all rows" if row.err_rows is None else f"{row.err_rows} rows")
 
         fast, slow = self.budget_fast, self.budget_slow
-        self._record_triton(row, self.timer.measure(lambda i: tri(xs[i % nx], ws[i % nw]), *fast))
+        self._record_triton(row, self.measure_triton(lambda i: tri(xs[i % nx], ws[i % nw]), fast, decode))
         if skip is None:  # the check above was its first call
             row.reference_s = self.timer.measure(lambda i: ref(xs[i % nx], ws[i % nw]), *slow, warm=False).median_s
         else:
@@ -501,7 +515,7 @@ class Bench:
         check("moe.experts", m, row.rel_err, "all pairs" if row.err_rows is None else f"{row.err_rows} pairs")
 
         fast, slow = self.budget_fast, self.budget_slow
-        self._record_triton(row, self.timer.measure(lambda i: tri(sets[i % n]), *fast))
+        self._record_triton(row, self.measure_triton(lambda i: tri(sets[i % n]), fast, decode))
         if skip is None:  # the check above was its first call
             row.reference_s = self.timer.measure(lambda i: ref(sets[i % n]), *slow, warm=False, syncs=True).median_s
         else:
@@ -561,6 +575,28 @@ class Bench:
                 "pct_mem_limit": mem_s / per_layer, "pct_limit": limit_s / per_layer,
                 "sum_pct_mem_limit": mem_s / summed if summed else None}
 
+    def measure_triton(self, call, budget, decode: bool) -> Timing:
+        """Device time of ``call(i)``. At decode sizes on CUDA, ``GRAPH_CALLS`` calls (rotating
+        inputs and weights) are captured in one CUDA graph and replayed, and the time is per call:
+        a few-microsecond kernel costs more host time to launch from Python than device time, which
+        no head start hides; in the engine, decode steps replay graphs too (or will)."""
+        if not (decode and self.device.type == "cuda"):
+            return self.timer.measure(call, *budget)
+        call(0)  # compile outside the capture
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in range(GRAPH_CALLS):
+                call(i)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(GRAPH_CALLS):
+                call(i)
+        t = self.timer.measure(lambda i: graph.replay(), *budget)
+        del graph
+        return replace(t, median_s=t.median_s / GRAPH_CALLS, min_s=t.min_s / GRAPH_CALLS)
+
     @staticmethod
     def _record_triton(row: Row, t: Timing) -> None:
         row.triton_s = t.median_s
@@ -577,26 +613,32 @@ class Bench:
 
     # ------------------------------------------------------------ tile-config sweep
     def run_tune(self, ms: list[int]) -> None:
-        # one side of every config stays on the tensor cores' 64-row side (batch invariance), 4 warps
-        # per 64 rows: the tokens for the FP8 linears (triton_bf16_mm), the weight rows for the experts
-        gemm_cfgs = [TileConfig(64, bn, 4, st) for bn in (16, 32, 64, 128) for st in (3, 4, 5)]
-        moe_cfgs = [TileConfig(bm, bn, bn // 16, st) for bm in (16, 32, 64) for bn in (64, 128) for st in (3, 4, 5)]
+        # FP8 linears at M <= 64: the decode form's configs (triton_decode_mm; the split changes the
+        # summation order, so outputs are compared within tolerance). Experts: the weight rows stay on
+        # the tensor cores' 64-row side (batch invariance) (outputs compared bit for bit).
+        DecodeConfig = tile_configs.DecodeConfig
+        decode_cfgs = [DecodeConfig(bw, bk, bw // 16, st, pps) for bw in (64, 128) for bk in (128, 256)
+                       for st in (3, 4) for pps in (2, 4, 8)]
+        moe_cfgs = [TileConfig(bm, bn, warps, st) for bm in (16, 32) for bn in (64, 128) for warps in (4, 8)
+                    for st in (2, 3, 4)]
         if self.args.tiny:
-            gemm_cfgs, moe_cfgs = gemm_cfgs[1::3], moe_cfgs[1::3]  # the logic, not the numbers
+            decode_cfgs, moe_cfgs = decode_cfgs[1::5], moe_cfgs[1::5]  # the logic, not the numbers
         budget = (self.budget_fast[0] * 0.4, self.budget_fast[1], self.budget_fast[2])
         for m in ms:
-            for spec in self.specs:
-                ws = self.weights[spec.name]
-                nx = input_sets(m, spec.groups * spec.k * 2, True)
-                shape = (m, spec.groups, spec.k) if spec.groups > 1 else (m, spec.k)
-                xs = [torch.randn(shape, device=self.device, generator=self.gen).to(torch.bfloat16) for _ in range(nx)]
-                fn = self.tk.grouped_dequantized_linear if spec.groups > 1 else self.tk.quantized_linear
-                nbytes, flops = linear_bytes(spec, m, ws[0])
-                limit_s = limit_of(nbytes, flops, self.ceil)[2]
-                default = tile_configs.bf16_mm_config(m)
-                self._sweep(spec.name, m, limit_s, default, gemm_cfgs, "gemm",
-                            lambda i: fn(xs[i % nx], ws[i % len(ws)]), budget)
-                del xs
+            if m <= self.tk_decode_max:
+                for spec in self.specs:
+                    ws = self.weights[spec.name]
+                    nx = input_sets(m, spec.groups * spec.k * 2, True)
+                    shape = (m, spec.groups, spec.k) if spec.groups > 1 else (m, spec.k)
+                    xs = [torch.randn(shape, device=self.device, generator=self.gen).to(torch.bfloat16)
+                          for _ in range(nx)]
+                    fn = self.tk.grouped_dequantized_linear if spec.groups > 1 else self.tk.quantized_linear
+                    nbytes, flops = linear_bytes(spec, m, ws[0])
+                    limit_s = limit_of(nbytes, flops, self.ceil)[2]
+                    default = tile_configs.decode_mm_config(m)
+                    self._sweep(spec.name, m, limit_s, default, decode_cfgs, "decode",
+                                lambda i: fn(xs[i % nx], ws[i % len(ws)]), budget)
+                    del xs
             sets = self.routing_sets(m, 8)
             hit = statistics.mean(int(torch.unique(st[2]).numel()) for st in sets)
             pairs = m * self.s.top_k
@@ -610,7 +652,7 @@ class Bench:
 
     def _sweep(self, name, m, limit_s, default, cfgs, table, call, budget) -> None:
         base = call(0)
-        base_s = self.timer.measure(call, *budget).median_s
+        base_s = self.measure_triton(call, budget, True).median_s
         entry = {"kernel": name, "m": m, "default": asdict(default), "default_s": base_s, "limit_s": limit_s,
                  "configs": []}
         best = (base_s, default)
@@ -618,14 +660,20 @@ class Bench:
             with override_tables(**{table: cfg}):
                 try:
                     out = call(0)
-                    t = self.timer.measure(call, *budget).median_s
+                    t = self.measure_triton(call, budget, True).median_s
                 except Exception as exc:  # e.g. out of shared memory
                     entry["configs"].append({"config": asdict(cfg), "error": f"{type(exc).__name__}: {exc}"[:200]})
                     continue
-            same = bool(torch.equal(out, base))
-            entry["configs"].append({"config": asdict(cfg), "s": t, "bitwise_equal_to_default": same})
-            if not same:
-                log(f"  note: {name} M={m} {cfg} output differs bitwise from the default config's")
+            if table == "decode":  # another split: another summation order
+                err = rel_err(out, base)
+                entry["configs"].append({"config": asdict(cfg), "s": t, "rel_err_to_default": err})
+                if not err <= MAX_REL_ERR:
+                    raise CorrectnessError(f"{name} M={m} {cfg}: differs from the default config by {err:.2e}")
+            else:
+                same = bool(torch.equal(out, base))
+                entry["configs"].append({"config": asdict(cfg), "s": t, "bitwise_equal_to_default": same})
+                if not same:
+                    log(f"  note: {name} M={m} {cfg} output differs bitwise from the default config's")
             if t < best[0]:
                 best = (t, cfg)
         entry["best"], entry["best_s"] = asdict(best[1]), best[0]
@@ -635,22 +683,26 @@ class Bench:
 
 
 @contextlib.contextmanager
-def override_tables(gemm=None, moe=None):
-    """Every M takes ``gemm`` / ``moe`` while inside (the tables are read at each call)."""
-    saved = tile_configs._BF16_MM_TABLE, tile_configs._MOE_TABLE
+def override_tables(gemm=None, moe=None, decode=None):
+    """Every M takes ``gemm`` / ``moe`` / ``decode`` while inside (the tables are read at each call)."""
+    saved = tile_configs._BF16_MM_TABLE, tile_configs._MOE_TABLE, tile_configs._DECODE_MM_TABLE
     try:
         if gemm is not None:
             tile_configs._BF16_MM_TABLE = ((1 << 62, gemm),)
         if moe is not None:
             tile_configs._MOE_TABLE = ((1 << 62, moe),)
+        if decode is not None:
+            tile_configs._DECODE_MM_TABLE = ((1 << 62, decode),)
         yield
     finally:
-        tile_configs._BF16_MM_TABLE, tile_configs._MOE_TABLE = saved
+        tile_configs._BF16_MM_TABLE, tile_configs._MOE_TABLE, tile_configs._DECODE_MM_TABLE = saved
 
 
 def cfg_text(cfg) -> str:
     if isinstance(cfg, dict):
-        cfg = TileConfig(**cfg)
+        cfg = (tile_configs.DecodeConfig if "block_w" in cfg else TileConfig)(**cfg)
+    if isinstance(cfg, tile_configs.DecodeConfig):
+        return f"w{cfg.block_w}/k{cfg.block_k}/warps{cfg.num_warps}/s{cfg.num_stages}/pps{cfg.programs_per_sm}"
     return f"m{cfg.block_m}/n{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}"
 
 
@@ -729,7 +781,7 @@ def tune_markdown(bench: Bench) -> str:
                      f"| {e['limit_s'] / e['best_s']:.0%} |")
     # the tables are keyed by M only: the config with the least total time over the GEMMs of each M
     lines += ["", "Best single config per M (sum over the FP8 GEMMs / the experts):", ""]
-    for table in ("gemm", "moe"):
+    for table in ("decode", "moe"):
         for m in sorted({e["m"] for e in bench.tune}):
             entries = [e for e in bench.tune if e["m"] == m and (e["kernel"] == "moe.experts") == (table == "moe")]
             totals: dict[str, float] = {}
@@ -770,6 +822,8 @@ def parse_args(argv=None):
     p.add_argument("--check-rows", type=int, default=64, help="rows checked where the reference is skipped (64)")
     p.add_argument("--check-tokens", type=int, default=4, help="tokens checked where the expert reference is skipped")
     p.add_argument("--graph-layers", type=int, default=4, help="layer instances captured in the CUDA graph (4)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="the Triton backend's batch-invariant mode (no split-K decode form)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.m is None:

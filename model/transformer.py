@@ -36,7 +36,8 @@ class ModelOptions:
         differ; see attention_lists.py) instead of the packed, chunking-independent layout.
         With ``batch_invariant=False`` this reproduces the official CPU reference bit for bit.
     kernels: the kernel backend of the quantized products, ``reference`` or ``triton``
-        (``model/kernels/``). Triton kernels are batch-invariant whatever ``batch_invariant`` says.
+        (``model/kernels/``). Without ``batch_invariant`` the Triton backend takes its split-K
+        decode form for products of at most 64 rows.
     """
 
     batch_invariant: bool = True

@@ -42,7 +42,7 @@ def main() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from model.kernels import tile_configs, triton_bf16_mm, triton_moe, triton_scaled_mm
+    from model.kernels import tile_configs, triton_bf16_mm, triton_decode_mm, triton_moe, triton_scaled_mm
 
     hopper = GPUTarget("cuda", 90, 32)
 
@@ -84,16 +84,31 @@ def main() -> int:
     index = {name: "*i64" for name in ("pair_token_ptr", "sorted_pair_ptr", "expert_start_ptr", "expert_count_ptr",
                                         "block_expert_ptr", "block_index_ptr")}
     weights = {name: "*u8" for name in ("w1_ptr", "s1_ptr", "w3_ptr", "s3_ptr", "w2_ptr", "s2_ptr")}
-    gate_up = {"q_ptr": "*fp16", "qs_ptr": "*fp32", "pair_weight_ptr": "*fp32", "hq_ptr": "*fp16", "hs_ptr": "*fp32",
-               "limit": "fp32", **index, **weights,
-               **scalars("D INTER stride_q stride_qs stride_we stride_wn stride_se stride_sn stride_hq stride_hs")}
-    down = {"hq_ptr": "*fp16", "hs_ptr": "*fp32", "out_ptr": "*bf16", **index, **weights,
-            **scalars("INTER D stride_hq stride_hs stride_out stride_we stride_wn stride_se stride_sn")}
+    gate_up = {"x_ptr": "*bf16", "pair_weight_ptr": "*fp32", "h_ptr": "*bf16", "limit": "fp32", **index, **weights,
+               **scalars("D INTER stride_x stride_we stride_wn stride_se stride_sn stride_h")}
+    down = {"h_ptr": "*bf16", "out_ptr": "*bf16", **index, **weights,
+            **scalars("INTER D stride_h stride_out stride_we stride_wn stride_se stride_sn")}
     for _, cfg in tile_configs._MOE_TABLE:
         for b_fmt in (1, 0):
-            constants = {"B_FMT": b_fmt, "BLOCK_T": cfg.block_m, "BLOCK_W": cfg.block_n, "INTERPRETED": False}
+            constants = {"B_FMT": b_fmt, "BLOCK_T": cfg.block_m, "BLOCK_W": cfg.block_n,
+                         "BLOCK_K": triton_moe.BLOCK_K, "EVEN_K": True, "INTERPRETED": False}
             check(f"moe gate_up fmt={b_fmt} {cfg}", triton_moe._gate_up_kernel, gate_up, constants, cfg)
             check(f"moe down fmt={b_fmt} {cfg}", triton_moe._down_kernel, down, constants, cfg)
+
+    decode = {"a_ptr": "*bf16", **scalars("M N K k_per_split stride_am stride_ag stride_wn stride_wg stride_sn "
+                                           "stride_sg stride_os stride_om")}
+    for bound, cfg in tile_configs._DECODE_MM_TABLE:
+        block_t = max(16, bound)
+        for b_fmt, partial, out_f32 in ((0, True, False), (0, False, False), (2, False, True)):  # FP8; the head
+            types = {**decode, "w_ptr": "*u8" if b_fmt == 0 else "*bf16", "s_ptr": "*u8" if b_fmt == 0 else "*bf16",
+                     "out_ptr": "*fp32" if partial or out_f32 else "*bf16"}
+            check(f"decode_mm fmt={b_fmt} partial={partial} {cfg}", triton_decode_mm._decode_mm_kernel, types,
+                  {"B_FMT": b_fmt, "QUANT_A": b_fmt == 0, "BLOCK_T": block_t, "BLOCK_W": cfg.block_w,
+                   "BLOCK_K": cfg.block_k, "PARTIAL": partial, "OUT_F32": out_f32, "EXACT_DOT": False}, cfg)
+    for out_f32 in (False, True):
+        check(f"sum_splits out_f32={out_f32}", triton_decode_mm._sum_splits_kernel,
+              {"part_ptr": "*fp32", "out_ptr": "*fp32" if out_f32 else "*bf16", "numel": "i32"},
+              {"SPLITS": 4, "OUT_F32": out_f32, "BLOCK": 1024, "EXACT_DOT": False}, wgmma=False)
     return 0
 
 

@@ -144,13 +144,13 @@ def test_align_pairs_blocks_cover_every_pair_once():
     assert sorted(covered) == valid
 
 
-def test_triton_rows_do_not_depend_on_the_batch():
+def test_triton_rows_do_not_depend_on_the_batch_in_batch_invariant_mode():
     from model.kernels.triton_backend import TritonKernels
 
     gen = torch.Generator().manual_seed(6)
     weight = random_weight(WeightFormat.FP8, 64, 128, gen).to(device())
     x = torch.randn(40, 128, generator=gen).bfloat16().to(device())
-    kernels = TritonKernels()
+    kernels = TritonKernels(batch_invariant=True)
     batched = kernels.quantized_linear(x, weight)
     for i in (0, 17, 39):
         assert torch.equal(kernels.quantized_linear(x[i:i + 1], weight), batched[i:i + 1])
@@ -186,3 +186,50 @@ def test_head_logits_match_reference():
     assert got.dtype == torch.float32
     # fp32 sums of the same exact products in another order: a few fp32 ulps of the row's scale
     assert torch.allclose(got, ref, rtol=0, atol=float(ref.abs().max()) * 2.0 ** -18)
+
+
+@pytest.mark.parametrize("max_splits", [1, 64])  # one split (direct store) / several splits (partials)
+@pytest.mark.parametrize("m", [1, 7, 33])
+def test_decode_form_matches_reference(max_splits, m, monkeypatch):
+    """The split-K decode form (M <= 64) of every bf16-operand product against its reference twin."""
+    from model.kernels import tile_configs, triton_decode_mm
+    from model.kernels.triton_backend import TritonKernels
+
+    cfg = tile_configs.DecodeConfig(64, 64, 4, 3, programs_per_sm=64, max_splits=max_splits)
+    monkeypatch.setattr(tile_configs, "_DECODE_MM_TABLE", ((64, cfg),))
+    gen = torch.Generator().manual_seed(m)
+    kernels, reference = TritonKernels(), ReferenceKernels(batch_invariant=False)
+    n, k = 96, 224
+    assert triton_decode_mm.split_count(cfg, n, k, 1, 132)[0] == min(max_splits, 4)
+    weight = random_weight(WeightFormat.FP8, n, k, gen)
+    x = (torch.randn(m, k, generator=gen) * 2).bfloat16()
+    ref = reference.quantized_linear(x, weight)  # first: .to(device) moves the weight
+    got = kernels.quantized_linear(x.to(device()), weight.to(device())).cpu()
+    assert_close_to_reference(got, ref)
+    assert torch.equal(kernels.quantized_linear(x.to(device()), weight.to(device())).cpu(), got)  # deterministic
+
+    grouped = random_weight(WeightFormat.FP8, 3 * 64, 128, gen)
+    xg = torch.randn(m, 3, 128, generator=gen).bfloat16()
+    ref = reference.grouped_dequantized_linear(xg, grouped)
+    got = kernels.grouped_dequantized_linear(xg.to(device()), grouped.to(device())).cpu()
+    assert_close_to_reference(got, ref)
+
+    head = (torch.randn(100, 192, generator=gen) * 0.05).bfloat16()
+    hidden = torch.randn(m, 192, generator=gen).bfloat16()
+    ref = reference.logits(hidden, head)
+    got = kernels.logits(hidden.to(device()), head.to(device())).cpu()
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, ref, rtol=0, atol=float(ref.abs().max()) * 2.0 ** -18)
+
+
+def test_decode_form_split_count_fills_the_gpu():
+    from model.kernels.tile_configs import DecodeConfig
+    from model.kernels.triton_decode_mm import split_count
+
+    cfg = DecodeConfig(64, 128, 4, 3, 4)
+    assert split_count(cfg, 512, 5120, 1, 132) == (40, 128)  # wkv: 8 tiles of 64 rows: every K step a split
+    # wq_a: 20 tiles want 27 splits of 40 K steps; whole steps per split give 20 splits of 2 steps
+    assert split_count(cfg, 1280, 5120, 1, 132) == (20, 256)
+    assert split_count(cfg, 1280, 5000, 1, 132) == (20, 256)  # the last split shorter, none empty
+    assert split_count(cfg, 32768, 1280, 1, 132) == (2, 640)  # wq_b: 512 tiles, 10 K steps
+    assert split_count(cfg, 129280, 5120, 1, 132) == (1, 5120)  # the head: tiles enough

@@ -1,8 +1,9 @@
 """Triton kernels at the real DeepSeek-V4.1-Flash shapes on CUDA (skipped without a GPU).
 
 Same checks and tolerance as ``test_triton_kernels.py`` (see its docstring), at M = 1, 7, 64, 300
-and the K/N of the real layers, plus batch invariance: a row computed alone, in a decode-sized
-batch and in a prefill-sized batch (which take different tile configs) is bit-identical.
+and the K/N of the real layers, in both modes of the backend: the default (the split-K decode form
+at M <= 64) and the batch-invariant mode, where a row computed alone, in a decode-sized batch and
+in a prefill-sized batch (which take different tile configs) is bit-identical.
 """
 
 from __future__ import annotations
@@ -40,24 +41,27 @@ def fp4_stack(experts: int, n: int, k: int, gen: torch.Generator) -> QuantizedWe
 def kernels():
     from model.kernels.triton_backend import TritonKernels
 
-    return TritonKernels(), ReferenceKernels(batch_invariant=False)
+    return TritonKernels(batch_invariant=True), ReferenceKernels(batch_invariant=False), TritonKernels()
 
 
 @pytest.mark.parametrize("name", list(FP8_SHAPES))
 def test_fp8_linear_real_shapes(kernels, name):
-    triton_k, reference = kernels
+    triton_k, reference, decode_k = kernels
     gen = torch.Generator(device="cuda").manual_seed(hash(name) % 1000)
     n, k = FP8_SHAPES[name]
     weight = fp8_weight(n, k, gen)
     x = torch.randn(300, k, device="cuda", generator=gen).bfloat16()
     full = triton_k.quantized_linear(x, weight)
     assert_close_to_reference(full, reference.quantized_linear(x, weight))
-    for m in (1, 7, 64):  # other tile configs, same rows: bit-identical
+    for m in (1, 7, 64, 200):  # other tile configs, same rows: bit-identical
         assert torch.equal(triton_k.quantized_linear(x[:m], weight), full[:m]), f"M={m}"
+        decoded = decode_k.quantized_linear(x[:m], weight)  # the split-K decode form
+        assert_close_to_reference(decoded, reference.quantized_linear(x[:m], weight))
+        assert torch.equal(decode_k.quantized_linear(x[:m], weight), decoded), f"M={m}: not deterministic"
 
 
 def test_fp8_linear_prefill_rows_equal_decode_rows(kernels):
-    triton_k, _ = kernels
+    triton_k, _, _ = kernels
     gen = torch.Generator(device="cuda").manual_seed(11)
     weight = fp8_weight(4096, 1280, gen)
     x = torch.randn(4096, 1280, device="cuda", generator=gen).bfloat16()
@@ -67,28 +71,33 @@ def test_fp8_linear_prefill_rows_equal_decode_rows(kernels):
 
 
 def test_grouped_output_projection_real_shape(kernels):
-    triton_k, reference = kernels
+    triton_k, reference, decode_k = kernels
     gen = torch.Generator(device="cuda").manual_seed(12)
     weight = fp8_weight(8 * 1024, 4096, gen)
     x = torch.randn(64, 8, 4096, device="cuda", generator=gen).bfloat16()
     got = triton_k.grouped_dequantized_linear(x, weight)
     assert_close_to_reference(got, reference.grouped_dequantized_linear(x, weight))
     assert torch.equal(triton_k.grouped_dequantized_linear(x[:1], weight), got[:1])
+    for m in (1, 7):
+        assert_close_to_reference(decode_k.grouped_dequantized_linear(x[:m], weight),
+                                  reference.grouped_dequantized_linear(x[:m], weight))
 
 
 def test_head_logits_real_shape(kernels):
-    triton_k, reference = kernels
+    triton_k, reference, decode_k = kernels
     gen = torch.Generator(device="cuda").manual_seed(13)
     head = (torch.randn(129280, D, device="cuda", generator=gen) * 0.02).bfloat16()
     hidden = torch.randn(7, D, device="cuda", generator=gen).bfloat16()
     got, ref = triton_k.logits(hidden, head), reference.logits(hidden, head)
     assert torch.allclose(got, ref, rtol=0, atol=float(ref.abs().max()) * 2.0 ** -16)
     assert torch.equal(triton_k.logits(hidden[:1], head), got[:1])
+    decoded = decode_k.logits(hidden, head)
+    assert torch.allclose(decoded, ref, rtol=0, atol=float(ref.abs().max()) * 2.0 ** -16)
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 64, 300])
 def test_fp4_moe_real_shapes(kernels, tokens):
-    triton_k, reference = kernels
+    triton_k, reference, _ = kernels
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     experts = ExpertWeights(fp4_stack(EXPERTS, INTER, D, gen), fp4_stack(EXPERTS, INTER, D, gen),
                             fp4_stack(EXPERTS, D, INTER, gen), first_expert=0, swiglu_limit=10.0)

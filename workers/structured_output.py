@@ -40,10 +40,22 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import torch
-import xgrammar as xgr
 
 from engine_core.protocol import StructuredOutput
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+
+def _xgr():
+    """xgrammar, imported on first use: processes whose requests never ask for structured output
+    neither pay its import (it pulls in transformers) nor need it installed."""
+    import xgrammar
+
+    return xgrammar
 
 log = logging.getLogger(__name__)
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -76,7 +88,7 @@ def tokenizer_info(model_dir: str | Path, vocab_size: int, eos_token_id: int | N
         if added.get("special", True):
             encoded[added["id"]] = ""
     stops = [eos_token_id] if eos_token_id is not None else []
-    return xgr.TokenizerInfo(encoded, xgr.VocabType.BYTE_LEVEL, vocab_size=vocab_size, stop_token_ids=stops)
+    return _xgr().TokenizerInfo(encoded, _xgr().VocabType.BYTE_LEVEL, vocab_size=vocab_size, stop_token_ids=stops)
 
 
 def _compile(compiler: xgr.GrammarCompiler, so: StructuredOutput) -> xgr.CompiledGrammar:
@@ -110,7 +122,7 @@ class GrammarCache:
 
     def __init__(self, info: xgr.TokenizerInfo):
         self.info = info
-        self.compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS)
+        self.compiler = _xgr().GrammarCompiler(info, max_threads=COMPILE_THREADS)
         self._pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="grammar")
         self._futures: dict[tuple[str, str], Future] = {}
         self._lock = threading.Lock()
@@ -183,7 +195,7 @@ class StructuredState:
         """
         state = self.matchers.get(step.seq_id)
         if state is None or state.epoch != step.epoch:
-            matcher = xgr.GrammarMatcher(self.cache.get(step.params.structured))
+            matcher = _xgr().GrammarMatcher(self.cache.get(step.params.structured))
             for token in step.structured_output_ids:
                 if not matcher.accept_token(token):
                     log.warning("sequence %d: replayed token %d rejected by its grammar", step.seq_id, token)
@@ -213,7 +225,7 @@ class StructuredState:
 
     def fill_bitmask(self, states: list[_Matcher], rows: list[int], num_rows: int) -> torch.Tensor:
         """[num_rows, ceil(V/32)] int32 bitmask: rows listed are filled, the others allow everything."""
-        bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+        bitmask = _xgr().allocate_token_bitmask(num_rows, self.vocab_size)
         for state, row in zip(states, rows):
             if state.matcher.is_terminated():
                 bitmask[row].zero_()
@@ -231,5 +243,5 @@ def _bit(i: int) -> int:
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
     """Disallowed tokens of the listed rows get -inf, all rows in one call; other rows are untouched."""
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), vocab_size=vocab_size,
+    _xgr().apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), vocab_size=vocab_size,
                                     indices=rows)

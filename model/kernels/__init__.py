@@ -9,7 +9,7 @@ BACKENDS = ("reference", "triton")
 
 
 def make_backend(name: str, batch_invariant: bool) -> KernelBackend:
-    """The backend called ``name``. The Triton backend is batch-invariant by construction."""
+    """The backend called ``name``; ``batch_invariant``: every row's result independent of the batch."""
     if name == "reference":
         from .reference import ReferenceKernels
 
@@ -17,7 +17,7 @@ def make_backend(name: str, batch_invariant: bool) -> KernelBackend:
     if name == "triton":
         from .triton_backend import TritonKernels
 
-        return TritonKernels()
+        return TritonKernels(batch_invariant)
     raise ValueError(f"unknown kernel backend {name!r}; available: {', '.join(BACKENDS)}")
 
 

@@ -4,9 +4,11 @@ Nothing is autotuned while serving, so the first request pays no tuning and ever
 the same tiles (``benchmarks/kernels.py --tune`` sweeps candidates offline on one H200). Batch
 invariance needs every config of a kernel to use the same tensor-core instruction shape, so that
 which config a batch gets never changes a row's result: the 64-row side of the instruction is
-one side: the weight side for ``triton_scaled_mm`` and the experts (``block_n >= 64``), the token
-side for ``triton_bf16_mm`` (``block_m >= 64``), with 4 warps per 64 rows. ``block_m`` counts tokens
-(the experts' kernels: the tokens of one expert per block), ``block_n`` output features.
+one side: the weight side for ``triton_scaled_mm`` and the experts (``block_n >= 64``; the experts'
+16-token blocks everywhere but in prefill), the token side for ``triton_bf16_mm`` (``block_m >= 64``).
+``block_m`` counts tokens (the experts' kernels: the tokens of one expert per block), ``block_n``
+output features. The decode form of ``triton_decode_mm`` (``DecodeConfig``) is not batch invariant:
+it is used only outside ``--batch-invariant``.
 """
 
 from __future__ import annotations
@@ -29,8 +31,11 @@ _SCALED_MM_TABLE: tuple[tuple[int, TileConfig], ...] = (  # FP4 linears
     (1 << 62, TileConfig(128, 128, 8, 3)),  # prefill: tensor-core tiles
 )
 
-_MOE_TABLE: tuple[tuple[int, TileConfig], ...] = (  # bound: mean pairs per expert
-    (16, TileConfig(16, 64, 4, 4)),
+_MOE_TABLE: tuple[tuple[float, TileConfig], ...] = (  # bound: mean pairs per expert
+    # 16 tokens x 64-128 weight rows: the best of the sweep on one H200 (configs within 3% of each
+    # other, and bit-identical outputs); prefill: tensor-core tiles
+    (0.05, TileConfig(16, 64, 4, 4)),
+    (16, TileConfig(16, 128, 4, 3)),
     (1 << 62, TileConfig(64, 128, 8, 3)),
 )
 
@@ -60,3 +65,28 @@ def moe_config(pairs_per_expert: float) -> TileConfig:
 
 def bf16_mm_config(m: int) -> TileConfig:
     return _pick(_BF16_MM_TABLE, m)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """A config of ``triton_decode_mm`` (the token tile is M rounded up to a power of two, >= 16)."""
+
+    block_w: int  # weight rows (output features) per program: the tensor cores' 64-row side
+    block_k: int  # K columns per step
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int  # split K until there are this many programs per SM (or no more K steps)
+    max_splits: int = 64
+
+
+# (largest M, config)
+# (largest M, config): the best single config over a layer's FP8 linears in the sweep of
+# ``benchmarks/kernels.py --tune`` on one H200 (docs/benchmarks.md)
+_DECODE_MM_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
+    (16, DecodeConfig(64, 128, 4, 3, 4)),
+    (64, DecodeConfig(128, 256, 8, 3, 2)),
+)
+
+
+def decode_mm_config(m: int) -> DecodeConfig:
+    return _pick(_DECODE_MM_TABLE, m)

@@ -12,22 +12,34 @@ from ..config import WeightFormat
 from .backend import KernelBackend
 from .reference import ReferenceKernels
 from .triton_bf16_mm import bf16_mm
+from .triton_decode_mm import MAX_TOKENS as DECODE_MAX_TOKENS
+from .triton_decode_mm import decode_mm
 from .triton_moe import fused_experts
 from .triton_scaled_mm import act_quant, act_quant_bf16, scaled_mm
 from .weights import ExpertWeights, QuantizedWeight
 
 
 class TritonKernels(KernelBackend):
+    """``batch_invariant``: every product in its prefill form, whose rows never depend on M (see
+    ``triton_bf16_mm``); otherwise products of at most ``decode_mm.MAX_TOKENS`` rows take the faster
+    split-K decode form (``triton_decode_mm``)."""
+
     name = "triton"
 
-    def __init__(self):
+    def __init__(self, batch_invariant: bool = False):
+        self.batch_invariant = batch_invariant
         # bf16 checkpoints (no quantized weights) are rare: their few products go through torch
         self._plain = ReferenceKernels(batch_invariant=False)
+
+    def _decode_form(self, m: int) -> bool:
+        return not self.batch_invariant and 0 < m <= DECODE_MAX_TOKENS
 
     def quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        if weight.fmt is WeightFormat.FP8:  # the faster kernel for FP8 (triton_bf16_mm's docstring)
+        if weight.fmt is WeightFormat.FP8 and self._decode_form(rows.shape[0]):
+            out = decode_mm(rows, weight.values, weight.scales, weight.fmt, quantize_activation=True)
+        elif weight.fmt is WeightFormat.FP8:  # the faster kernel for FP8 (triton_bf16_mm's docstring)
             out = bf16_mm(act_quant_bf16(rows), weight.values, weight.scales, weight.fmt)
         else:
             out = scaled_mm(*act_quant(rows), weight.values, weight.scales, weight.fmt)
@@ -37,11 +49,13 @@ class TritonKernels(KernelBackend):
         if not isinstance(weight, QuantizedWeight) or weight.fmt is not WeightFormat.FP8:
             return self._plain.grouped_dequantized_linear(x, weight)
         t, groups, k = x.shape
-        out = bf16_mm(x.reshape(t, groups * k), weight.values, weight.scales, weight.fmt, groups=groups)
+        mm = decode_mm if self._decode_form(t) else bf16_mm
+        out = mm(x.reshape(t, groups * k), weight.values, weight.scales, weight.fmt, groups=groups)
         return out.view(t, groups, -1)
 
     def logits(self, hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-        return bf16_mm(hidden.contiguous(), head, None, WeightFormat.BF16, out_dtype=torch.float32)
+        mm = decode_mm if self._decode_form(hidden.shape[0]) else bf16_mm
+        return mm(hidden.contiguous(), head, None, WeightFormat.BF16, out_dtype=torch.float32)
 
     def expert_outputs(self, x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.Tensor,
                        pair_weight: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:

@@ -1,22 +1,31 @@
 """Triton kernels of the routed experts (twin: ``ReferenceKernels.expert_outputs``).
 
-One MoE layer's routed experts in three steps, with no host synchronisation:
+One MoE layer's routed experts in four steps, with no host synchronisation:
 
-1. ``align_pairs`` (torch ops on the device): (token, expert) pairs are sorted by expert and the
+1. ``act_quant_bf16``: each token's FP8 round trip per 32 (the reference's activation
+   quantization, exact in bf16), once per token whatever its number of experts.
+2. ``align_pairs`` (torch ops on the device): (token, expert) pairs are sorted by expert and the
    sorted list is cut into blocks of ``block_m`` pairs that never straddle two experts. The grid
    is sized from the shapes alone (``ceil(P / block_m) + min(E, P)`` blocks at most); blocks past
    the last real one exit at once.
-2. ``_gate_up_kernel``: per (block, tile of the intermediate dimension), the block's token rows
-   (e4m3 values and scales from ``act_quant``, gathered) times the expert's ``w1`` and ``w3``,
-   32-block by 32-block as in ``triton_scaled_mm``; the epilogue rounds both to bf16 as the
+3. ``_gate_up_kernel``: per (block, tile of the intermediate dimension), the block's token rows
+   (gathered) times the expert's ``w1`` and ``w3``; the epilogue rounds both to bf16 as the
    reference's projections do, applies the clamped SwiGLU and the routing weight, rounds to bf16,
-   and quantizes the result in groups of 32 (the down projection's activation quantization: the
-   groups lie inside one tile), writing e4m3 values and scales in sorted order.
-3. ``_down_kernel``: per (block, tile of the hidden dimension), those rows times the expert's
+   and applies the down projection's FP8 round trip per 32 (the groups lie inside one tile),
+   writing bf16 rows in sorted order.
+4. ``_down_kernel``: per (block, tile of the hidden dimension), those rows times the expert's
    ``w2``; each row is written to its pair's place in the output.
 
-A pair's computation depends only on its own row (fixed K order, no split-K, one instruction shape
-for every config): batch invariant.
+Layout on the tensor cores (as ``triton_decode_mm``): the expert's weight rows fill the 64-row side
+and a block's tokens (16-64) the narrow side, so the few tokens an expert gets in a decode step
+waste no instruction rows. Each K step of ``BLOCK_K`` columns expands the weight tile to bf16 with
+its scales applied (e4m3 or e2m1 times a power of two: exact; FP4 codes become fp16 through a few
+bit operations of inline PTX), so every product is exact and only the order of the fp32 sums
+differs from the reference's per-32-block order. Wide steps let the compiler stream the weight
+tiles into shared memory several steps ahead (``num_stages``).
+
+Batch invariance: a pair's result depends only on its own row: one fixed ``BLOCK_K`` (so K is summed
+in the same steps by every config), no split-K, one instruction shape for every config.
 """
 
 from __future__ import annotations
@@ -27,8 +36,10 @@ import triton.language as tl
 
 from .tile_configs import moe_config
 from .triton_common import INTERPRETED, quantize_groups_of_32, to_bf16
-from .triton_scaled_mm import FORMAT_CODES, accumulate_block, act_quant, activation_block
+from .triton_scaled_mm import FORMAT_CODES, act_quant_bf16, e2m1_bytes_to_fp16
 from .weights import ExpertWeights
+
+BLOCK_K = 128  # K columns per step, fixed for batch invariance (the experts' widths are multiples of 32)
 
 
 @triton.jit
@@ -45,11 +56,49 @@ def _block_rows(block_expert_ptr, block_index_ptr, expert_start_ptr, expert_coun
 
 
 @triton.jit
-def _gate_up_kernel(q_ptr, qs_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_ptr, expert_start_ptr,
-                    expert_count_ptr, block_expert_ptr, block_index_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, hq_ptr, hs_ptr,
-                    D, INTER, stride_q, stride_qs, stride_we, stride_wn, stride_se, stride_sn, stride_hq, stride_hs,
-                    limit, B_FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
-                    INTERPRETED: tl.constexpr):
+def _weight_rows(w_ptr, s_ptr, offs_w, k0, N, K, stride_wn, stride_sn, B_FMT: tl.constexpr, BLOCK_W: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """bf16 ``[BLOCK_W, BLOCK_K]``: weight rows ``offs_w``, columns ``k0..``, scales applied (exact:
+    e4m3 or e2m1 times a power of two). FP8: one UE8M0 scale per 32x32 tile; FP4: one per row and
+    32 columns. ``EVEN_K``: K is a multiple of BLOCK_K, so no column mask, which would cut the loads
+    into single bytes that the compiler cannot stream ahead."""
+    row_mask = offs_w[:, None] < N
+    if B_FMT == 0:
+        cols = k0 + tl.arange(0, BLOCK_K)
+        raw = tl.load(w_ptr + offs_w[:, None] * stride_wn + cols[None, :],
+                      mask=row_mask if EVEN_K else row_mask & (cols[None, :] < K), other=0)
+        values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        scale_rows = offs_w // 32
+        bias = 0
+    else:
+        cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        raw = tl.load(w_ptr + offs_w[:, None] * stride_wn + cols[None, :],
+                      mask=row_mask if EVEN_K else row_mask & (cols[None, :] * 2 < K), other=0)
+        low, high = e2m1_bytes_to_fp16(raw, INTERPRETED)
+        values = tl.reshape(tl.join(low, high), (BLOCK_W, BLOCK_K)).to(tl.float32)  # low nibble first
+        scale_rows = offs_w
+        bias = 14  # the fp16 form is the e2m1 value times 2**-14
+    blocks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    exponents = tl.load(s_ptr + scale_rows[:, None] * stride_sn + blocks[None, :],
+                        mask=row_mask if EVEN_K else row_mask & (blocks[None, :] * 32 < K), other=0).to(tl.int32)
+    scale = ((exponents + bias) << 23).to(tl.float32, bitcast=True)  # UE8M0 byte e -> 2**(e - 127)
+    tile = tl.reshape(values, (BLOCK_W, BLOCK_K // 32, 32)) * scale[:, :, None]
+    return tl.reshape(tile, (BLOCK_W, BLOCK_K)).to(tl.bfloat16)
+
+
+@triton.jit
+def _dot(acc, w, a, INTERPRETED: tl.constexpr):
+    if INTERPRETED:  # the interpreter multiplies 16-bit dot operands wrongly; fp32 gives the same exact products
+        return tl.dot(w.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(w, a, acc)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_ptr, expert_start_ptr, expert_count_ptr,
+                    block_expert_ptr, block_index_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
+                    D, INTER, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, limit,
+                    B_FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
+                    EVEN_K: tl.constexpr, INTERPRETED: tl.constexpr):
     pid_w, pid_b = tl.program_id(0), tl.program_id(1)
     expert, row_mask, pairs = _block_rows(block_expert_ptr, block_index_ptr, expert_start_ptr, expert_count_ptr,
                                           sorted_pair_ptr, pid_b, BLOCK_T)
@@ -64,12 +113,16 @@ def _gate_up_kernel(q_ptr, qs_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_
     s3_ptr += e * stride_se
     gate = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
     up = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
-    for k0 in range(0, D, 32):
-        a, a_scale = activation_block(q_ptr, qs_ptr, tokens, row_mask, k0, stride_q, stride_qs)
-        gate = accumulate_block(gate, w1_ptr, s1_ptr, offs_w, k0, INTER, stride_wn, stride_sn, a, a_scale, B_FMT,
-                                BLOCK_W, INTERPRETED)
-        up = accumulate_block(up, w3_ptr, s3_ptr, offs_w, k0, INTER, stride_wn, stride_sn, a, a_scale, B_FMT,
-                              BLOCK_W, INTERPRETED)
+    for k0 in range(0, D, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + tokens[:, None] * stride_x + offs_k[None, :],
+                    mask=row_mask[:, None] & (offs_k[None, :] < D), other=0.0)  # [BLOCK_T, BLOCK_K]
+        w1 = _weight_rows(w1_ptr, s1_ptr, offs_w, k0, INTER, D, stride_wn, stride_sn, B_FMT, BLOCK_W, BLOCK_K,
+                          EVEN_K, INTERPRETED)
+        gate = _dot(gate, w1, tl.trans(a), INTERPRETED)
+        w3 = _weight_rows(w3_ptr, s3_ptr, offs_w, k0, INTER, D, stride_wn, stride_sn, B_FMT, BLOCK_W, BLOCK_K,
+                          EVEN_K, INTERPRETED)
+        up = _dot(up, w3, tl.trans(a), INTERPRETED)
     gate = to_bf16(gate, INTERPRETED).to(tl.float32)  # the reference's w1(x) and w3(x) are bf16
     up = to_bf16(up, INTERPRETED).to(tl.float32)
     if limit > 0:
@@ -78,19 +131,17 @@ def _gate_up_kernel(q_ptr, qs_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_
     weight = tl.load(pair_weight_ptr + pairs, mask=row_mask, other=0.0)
     hidden = to_bf16(weight[None, :] * (gate / (1.0 + tl.exp(-gate)) * up), INTERPRETED).to(tl.float32)
     q, scale = quantize_groups_of_32(tl.trans(hidden), BLOCK_T, BLOCK_W)  # [tokens, features]
+    round_trip = tl.reshape(tl.reshape(q, (BLOCK_T, BLOCK_W // 32, 32)) * scale[:, :, None], (BLOCK_T, BLOCK_W))
     rows = (pid_b * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    tl.store(hq_ptr + rows[:, None] * stride_hq + offs_w[None, :], q.to(tl.float16),
+    tl.store(h_ptr + rows[:, None] * stride_h + offs_w[None, :], round_trip.to(tl.bfloat16),  # exact
              mask=row_mask[:, None] & (offs_w[None, :] < INTER))
-    blocks = pid_w * (BLOCK_W // 32) + tl.arange(0, BLOCK_W // 32)
-    tl.store(hs_ptr + rows[:, None] * stride_hs + blocks[None, :], scale,
-             mask=row_mask[:, None] & (blocks[None, :] < INTER // 32))
 
 
 @triton.jit
-def _down_kernel(hq_ptr, hs_ptr, out_ptr, sorted_pair_ptr, expert_start_ptr, expert_count_ptr, block_expert_ptr,
-                 block_index_ptr, w2_ptr, s2_ptr, INTER, D, stride_hq, stride_hs, stride_out, stride_we, stride_wn,
+def _down_kernel(h_ptr, out_ptr, sorted_pair_ptr, expert_start_ptr, expert_count_ptr, block_expert_ptr,
+                 block_index_ptr, w2_ptr, s2_ptr, INTER, D, stride_h, stride_out, stride_we, stride_wn,
                  stride_se, stride_sn, B_FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
-                 INTERPRETED: tl.constexpr):
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRETED: tl.constexpr):
     pid_w, pid_b = tl.program_id(0), tl.program_id(1)
     expert, row_mask, pairs = _block_rows(block_expert_ptr, block_index_ptr, expert_start_ptr, expert_count_ptr,
                                           sorted_pair_ptr, pid_b, BLOCK_T)
@@ -102,10 +153,13 @@ def _down_kernel(hq_ptr, hs_ptr, out_ptr, sorted_pair_ptr, expert_start_ptr, exp
     w2_ptr += e * stride_we
     s2_ptr += e * stride_se
     acc = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
-    for k0 in range(0, INTER, 32):
-        a, a_scale = activation_block(hq_ptr, hs_ptr, rows, row_mask, k0, stride_hq, stride_hs)
-        acc = accumulate_block(acc, w2_ptr, s2_ptr, offs_w, k0, D, stride_wn, stride_sn, a, a_scale, B_FMT, BLOCK_W,
-                               INTERPRETED)
+    for k0 in range(0, INTER, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(h_ptr + rows[:, None] * stride_h + offs_k[None, :],
+                    mask=row_mask[:, None] & (offs_k[None, :] < INTER), other=0.0)
+        w2 = _weight_rows(w2_ptr, s2_ptr, offs_w, k0, D, INTER, stride_wn, stride_sn, B_FMT, BLOCK_W, BLOCK_K,
+                          EVEN_K, INTERPRETED)
+        acc = _dot(acc, w2, tl.trans(a), INTERPRETED)
     tl.store(out_ptr + pairs[None, :].to(tl.int64) * stride_out + offs_w[:, None], to_bf16(acc, INTERPRETED),
              mask=row_mask[None, :] & (offs_w[:, None] < D))
 
@@ -146,24 +200,23 @@ def fused_experts(x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.
     out = torch.zeros(p, d, dtype=torch.bfloat16, device=x.device)
     if p == 0:
         return out
-    q, q_scales = act_quant(x)  # each token once, whatever its number of experts
+    x = act_quant_bf16(x.contiguous())  # each token once, whatever its number of experts
     num_experts, inter = experts.num_experts, experts.w1.out_features
     cfg = moe_config(p / num_experts)
     sorted_pair, start, count, block_expert, block_index = align_pairs(pair_expert, num_experts, cfg.block_m)
     num_blocks = block_expert.shape[0]
-    hidden_q = torch.empty(num_blocks * cfg.block_m, inter, dtype=torch.float16, device=x.device)
-    hidden_s = torch.empty(num_blocks * cfg.block_m, inter // 32, dtype=torch.float32, device=x.device)
+    hidden = torch.empty(num_blocks * cfg.block_m, inter, dtype=torch.bfloat16, device=x.device)
     fmt = FORMAT_CODES[experts.w1.fmt]
     w1, w3, w2 = (w.values.view(torch.uint8) for w in (experts.w1, experts.w3, experts.w2))
     s1, s3, s2 = (w.scales.view(torch.uint8) for w in (experts.w1, experts.w3, experts.w2))
-    common = dict(B_FMT=fmt, BLOCK_T=cfg.block_m, BLOCK_W=cfg.block_n, INTERPRETED=INTERPRETED,
+    common = dict(B_FMT=fmt, BLOCK_T=cfg.block_m, BLOCK_W=cfg.block_n, BLOCK_K=BLOCK_K,
+                  EVEN_K=d % BLOCK_K == 0 and inter % BLOCK_K == 0, INTERPRETED=INTERPRETED,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _gate_up_kernel[(triton.cdiv(inter, cfg.block_n), num_blocks)](
-        q, q_scales, pair_token, pair_weight, sorted_pair, start, count, block_expert, block_index,
-        w1, s1, w3, s3, hidden_q, hidden_s, d, inter, q.stride(0), q_scales.stride(0), w1.stride(0), w1.stride(1),
-        s1.stride(0), s1.stride(1), hidden_q.stride(0), hidden_s.stride(0), float(experts.swiglu_limit), **common)
+        x, pair_token, pair_weight, sorted_pair, start, count, block_expert, block_index,
+        w1, s1, w3, s3, hidden, d, inter, x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
+        hidden.stride(0), float(experts.swiglu_limit), **common)
     _down_kernel[(triton.cdiv(d, cfg.block_n), num_blocks)](
-        hidden_q, hidden_s, out, sorted_pair, start, count, block_expert, block_index, w2, s2, inter, d,
-        hidden_q.stride(0), hidden_s.stride(0), out.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        **common)
+        hidden, out, sorted_pair, start, count, block_expert, block_index, w2, s2, inter, d,
+        hidden.stride(0), out.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), **common)
     return out
