@@ -22,6 +22,7 @@ import torch
 from .batch import ForwardBatch
 from .cache import V41Cache
 from .config import V41Config
+from .engram_storage import STORAGES, host_resident
 from .layers import Linear
 from .quant import dequantize_fp8_rows
 from .presets import engram_bucket_primes
@@ -94,18 +95,34 @@ class NgramHasher:
 
 class Engram:
     def __init__(self, table: torch.Tensor, table_scale: torch.Tensor | None, wkv: Linear, q_weight: torch.Tensor,
-                 k_weight: torch.Tensor, hc: int, dim: int, eps: float):
+                 k_weight: torch.Tensor, hc: int, dim: int, eps: float, storage: str = "gpu"):
         # [rows, head_dim] as stored: e4m3 values with one UE8M0 scale per row per 32 (table_scale),
         # or bf16; only the gathered rows are ever dequantized
         self.table, self.table_scale = table, table_scale
         self.wkv, self.hc, self.dim, self.eps = wkv, hc, dim, eps
         self.gate_weight = q_weight.float() * k_weight.float()  # only ever used as a product
         self.clamp_value = 1e-6
+        # "gpu": the tables move with the module; "host": on a GPU they stay in host memory and the
+        # GPU gathers their rows in place (engram_storage.py); the lookup code is the same
+        if storage not in STORAGES:
+            raise ValueError(f"Engram storage must be one of {', '.join(STORAGES)}, got {storage!r}")
+        self.storage = storage
+        self.host_mapped = False  # the tables are GPU views of host memory
 
     def to(self, device) -> "Engram":
-        self.table, self.gate_weight = self.table.to(device), self.gate_weight.to(device)
-        if self.table_scale is not None:
-            self.table_scale = self.table_scale.to(device)
+        device = torch.device(device)
+        if self.storage == "host" and device.type == "cuda":
+            if not self.host_mapped:  # (mapping an already mapped table would copy it)
+                self.table = host_resident(self.table, device)
+                if self.table_scale is not None:
+                    self.table_scale = host_resident(self.table_scale, device)
+                self.host_mapped = True
+        else:
+            self.table = self.table.to(device)
+            if self.table_scale is not None:
+                self.table_scale = self.table_scale.to(device)
+            self.host_mapped = False
+        self.gate_weight = self.gate_weight.to(device)
         self.wkv.to(device)
         return self
 

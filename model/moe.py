@@ -6,9 +6,11 @@ activation before its down projection (not the output). SwiGLU is clamped: the u
 sides, the gate branch from above. Each token's output is summed in fp32 over its experts in
 increasing expert id, then the shared expert's output is added, as the reference does.
 
-With expert parallelism each rank holds a contiguous range of experts; ``ExpertDispatcher``
-(workers/) moves tokens to the ranks owning their experts and the per-(token, slot) outputs back,
-so the final sum happens in the same order on every configuration.
+With expert parallelism each rank holds a contiguous range of experts; the dispatcher
+(``workers/expert_parallel.py``) moves token rows to the ranks holding their experts and the
+per-(token, slot) outputs back, so the final sum happens in the same order on every configuration.
+The shared expert runs while the dispatch is in flight (its exchange runs on the communicator's
+stream on NCCL, on a background thread on gloo); its output is still added last.
 """
 
 from __future__ import annotations
@@ -83,7 +85,9 @@ class MoE:
                  kernels: KernelBackend):
         self.router, self.experts, self.shared, self.num_experts = router, experts, shared, num_experts
         self.kernels = kernels
-        # set by an expert-parallel runtime: computes routed outputs across ranks
+        # set by an expert-parallel runtime (workers/expert_parallel.py): exchanges token rows with
+        # the ranks holding their experts (``dispatch``), runs ``expert_rows`` there and brings the
+        # outputs back (``combine``)
         self.dispatcher = None
 
     def to(self, device) -> "MoE":
@@ -99,17 +103,25 @@ class MoE:
         local = pair_expert - self.experts.first_expert
         return self.kernels.expert_outputs(x, pair_token, local, pair_weight.float(), self.experts)
 
+    def expert_rows(self, rows: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """``[R, k, D]``: for token rows ``[R, D]`` with their expert ids and routing weights
+        ``[R, k]``, each slot's expert output; zero where the id is not this rank's (or is -1)."""
+        r, k = ids.shape
+        pair_token = torch.arange(r * k, device=rows.device) // k
+        outputs = self.local_expert_outputs(rows, pair_token, ids.reshape(-1), gates.reshape(-1))
+        return outputs.view(r, k, rows.shape[-1])
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, indices = self.router(x)
-        if self.dispatcher is not None:
-            routed = self.dispatcher(self, x, weights, indices)
+        if self.dispatcher is None:
+            routed = self.expert_rows(x, indices, weights)
+            shared = self.shared(x)
         else:
-            n, k = indices.shape
-            pair_token = torch.arange(n * k, device=x.device) // k
-            routed = self.local_expert_outputs(x, pair_token, indices.reshape(-1), weights.reshape(-1))
-            routed = routed.view(n, k, -1)
+            exchange = self.dispatcher.dispatch(x, weights, indices)
+            shared = self.shared(x)  # overlaps the exchange in flight
+            routed = self.dispatcher.combine(exchange, self.expert_rows)
         y = combine_routed(routed, indices)
-        y += self.shared(x)
+        y += shared
         return y.to(x.dtype)
 
 

@@ -2,7 +2,7 @@
 
 Checks: startup handshake, health round trip, tokens identical to the in-process engine (so the
 wire, the executor and zero-overhead scheduling across processes change nothing), aborts returning
-every block and slot, expert parallelism over 2 gloo ranks giving the same tokens as 1 rank, and a
+every block and slot, expert parallelism over 2 and 4 gloo ranks giving the same tokens as 1 rank, and a
 worker crash being noticed.
 """
 
@@ -62,7 +62,7 @@ async def _wait_idle(client: ZmqEngineClient, timeout: float = 10.0) -> None:
     raise AssertionError(f"engine not idle: {client.stats()}")
 
 
-@pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.parametrize("dp", [1, 2, 4])
 def test_processes_match_in_process_engine(checkpoint, reference_tokens, dp):
     async def main():
         client = ZmqEngineClient(EngineConfig(model=checkpoint, dp_size=dp, max_num_seqs=8,

@@ -56,10 +56,12 @@ class ModelRunner:
         options = ModelOptions(batch_invariant=config.resolved_batch_invariant,
                                official_index_handoff=config.official_index_handoff, kernels=config.resolved_kernels)
         expert_range = expert_parallel.expert_range() if expert_parallel is not None else None
-        self.model: V41Model = load_model(config.model, options, self.device, expert_range, config.load_format)
+        self.model: V41Model = load_model(config.model, options, self.device, expert_range, config.load_format,
+                                          config.engram_storage)
         self.cfg = self.model.cfg
         # under expert parallelism every rank joins every MoE all-to-all, with or without tokens
         self.always_run_forward = expert_parallel is not None
+        self.expert_parallel = expert_parallel
         for block in self.model.blocks:
             block.moe.dispatcher = expert_parallel
         free = None
