@@ -1,88 +1,98 @@
-"""``mini-deepinfer generate --input FILE.jsonl --output FILE.jsonl``: offline batch generation.
+"""``mini-deepinfer generate --input FILE.jsonl --output FILE.jsonl`` (alias ``run-batch``): offline
+batch generation.
 
-One request per input line: ``prompt`` (text) or ``prompt_token_ids``, and optionally
-``max_tokens``, ``min_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
-``stop_token_ids``, ``ignore_eos``, penalties, ``logprobs``. One result per output line, in input
-order: ``index``, ``token_ids``, ``text``, ``finish_reason``.
+The input is OpenAI's batch format (``custom_id``, ``method``, ``url`` = ``/v1/completions`` or
+``/v1/chat/completions``, ``body``), or the original one: one completion per line, ``prompt``
+(text) or ``prompt_token_ids`` plus any /v1/completions field (``max_tokens``, ``temperature``,
+``stop``, ``logprobs``, ...). Every request is served by the HTTP server's own request handling
+(frontend/batch.py), so every field behaves as it does over HTTP; results are written in input
+order in the matching output format. The engine runs in its own processes, as under ``serve``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import logging
 import sys
+from pathlib import Path
 
 from engine_core.config import add_engine_arguments, engine_config_from_args
-from engine_core.protocol import SamplingParams
 
-FIELD_TYPES = {"max_tokens": int, "min_tokens": int, "top_k": int, "seed": int, "logprobs": int,
-               "temperature": (int, float), "top_p": (int, float), "min_p": (int, float),
-               "presence_penalty": (int, float), "frequency_penalty": (int, float),
-               "repetition_penalty": (int, float), "ignore_eos": bool, "stop_token_ids": list}
-TYPE_NAMES = {int: "an integer", (int, float): "a number", bool: "true or false", list: "a list of integers"}
-REQUEST_FIELDS = tuple(FIELD_TYPES)
+log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--input", required=True, help="JSONL file, one request per line")
-    parser.add_argument("--output", required=True, help="JSONL file to write, one result per line")
+    parser.add_argument("--input", "-i", required=True,
+                        help="JSONL file of requests: OpenAI's batch format, or one prompt per line")
+    parser.add_argument("--output", "-o", required=True, help="JSONL file to write, one result per request")
+    parser.add_argument("--served-model-name", nargs="+", metavar="NAME", default=None,
+                        help="names a request's `model` may give (default: the model directory's name)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_engine_arguments(parser)
 
 
-def parse_request(line: str, number: int) -> tuple[str | list[int], SamplingParams]:
-    try:
-        raw = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"line {number}: not JSON ({exc})") from exc
-    if not isinstance(raw, dict):
-        raise ValueError(f"line {number}: expected a JSON object")
-    if "prompt_token_ids" in raw:
-        prompt = raw["prompt_token_ids"]
-        if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValueError(f"line {number}: prompt_token_ids must be a list of integers")
-    elif isinstance(raw.get("prompt"), str):
-        prompt = raw["prompt"]
-    else:
-        raise ValueError(f"line {number}: needs 'prompt' (text) or 'prompt_token_ids'")
-    values = {k: raw[k] for k in REQUEST_FIELDS if k in raw and raw[k] is not None}
-    for name, value in values.items():
-        kind = FIELD_TYPES[name]
-        ok = (all(isinstance(t, int) and not isinstance(t, bool) for t in value) if kind is list and
-              isinstance(value, list) else kind is not list and isinstance(value, kind) and
-              not (kind is not bool and isinstance(value, bool)))
-        if not ok:
-            raise ValueError(f"line {number}: {name} must be {TYPE_NAMES[kind]}, got {value!r}")
-    if "stop_token_ids" in values:
-        values["stop_token_ids"] = tuple(values["stop_token_ids"])
-    try:
-        return prompt, SamplingParams(**values)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"line {number}: {exc}") from exc
-
-
 def main(args: argparse.Namespace) -> int:
-    from frontend.llm import LLM, PromptError
+    from frontend.batch import openai_output, original_output, read_requests
 
-    requests, lines = [], []
-    with open(args.input) as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                requests.append(parse_request(line, number))
-                lines.append(number)
+    with open(args.input, encoding="utf-8") as f:
+        requests = read_requests(f.read().splitlines())
     config = engine_config_from_args(args)
-    values = {k: v for k, v in vars(config).items() if k != "model"}
-    llm = LLM(config.model, **values)
+    from frontend.engine_client import EngineDeadError
+
     try:
-        results = llm.generate([p for p, _ in requests], [s for _, s in requests], use_tqdm=not args.no_progress)
-    except PromptError as exc:
-        raise ValueError(f"line {lines[exc.index]}: {exc.reason}") from exc
-    with open(args.output, "w") as out:
-        for index, result in enumerate(results):
-            record = {"index": index, "token_ids": result.token_ids, "text": result.text,
-                      "finish_reason": result.finish_reason}
-            if result.logprobs is not None:
-                record["logprobs"] = [lp.logprob for lp in result.logprobs]
-            out.write(json.dumps(record) + "\n")
-    print(f"wrote {len(results)} results to {args.output}", file=sys.stderr)
+        results = asyncio.run(_serve(requests, config, args))
+    except EngineDeadError as exc:  # the engine failed to start, or died: one line, no output file
+        log.error("%s", exc)
+        return 1
+    if requests and requests[0].custom_id is not None:
+        lines = [openai_output(result) for result in results]
+        failed = sum(1 for result in results if result.status != 200)
+    else:
+        lines = [original_output(index, result) for index, result in enumerate(results)]  # raises on a refusal
+        failed = 0
+    with open(args.output, "w", encoding="utf-8") as out:
+        for line in lines:
+            out.write(json.dumps(line, ensure_ascii=False) + "\n")
+    print(f"wrote {len(lines)} results to {args.output}" + (f" ({failed} failed)" if failed else ""),
+          file=sys.stderr)
     return 0
+
+
+async def _serve(requests, config, args: argparse.Namespace):
+    """Start the engine, run every request through the server's app, stop the engine."""
+    from frontend.batch import run_requests
+    from frontend.generation_config import load_sampling_defaults
+    from frontend.server import build_app
+    from frontend.tokenizer import Tokenizer, TokenizerError
+    from frontend.zmq_engine_client import ZmqEngineClient
+
+    if not requests:
+        return []
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no log line per in-process request
+    try:
+        tokenizer: Tokenizer | None = Tokenizer(config.model)
+    except TokenizerError as exc:
+        log.warning("no tokenizer (%s): only token-id prompts will work", exc)
+        tokenizer = None
+    names = tuple(args.served_model_name or (Path(config.model).resolve().name,))
+    engine = ZmqEngineClient(config, log_level=getattr(args, "log_level", "INFO"))
+    running = config.max_num_seqs * config.dp_size
+    app = build_app(engine, tokenizer, names[0], None, [], config.max_queued_requests, max_running_seqs=running,
+                    max_seqs_per_request=config.max_seqs_per_request)
+    serving = app.state.serving
+    serving.served_model_names = names
+    serving.sampling_defaults = load_sampling_defaults(config.model, getattr(config, "generation_config", "auto"))
+    progress = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=len(requests), desc="requests", unit="req", file=sys.stderr)
+    try:
+        await engine.start()
+        return await run_requests(app, requests, running, progress.update if progress is not None else lambda: None)
+    finally:
+        if progress is not None:
+            progress.close()
+        await engine.shutdown()

@@ -1,8 +1,11 @@
-"""``POST /v1/chat/completions``: messages rendered with the tokenizer's chat template.
+"""``POST /v1/chat/completions``: messages rendered with the tokenizer's chat template
+(chat_prompt.py, with vLLM's options: ``add_generation_prompt``, ``continue_final_message``,
+``chat_template_kwargs``, ``tools`` with ``tool_choice: "none"``).
 
 The template writes bos itself, so the rendered prompt is encoded without special tokens.
-Streaming sends, per choice, a first chunk with ``delta.role``, then ``content`` deltas; only a
-choice's last chunk carries its ``finish_reason``.
+Streaming sends, per choice, a first chunk with ``delta.role``, then (with vLLM's ``echo``) the
+echoed last message, then ``content`` deltas; only a choice's last chunk carries its
+``finish_reason``. ``prompt_logprobs`` (vLLM) come with a whole response, at its top level.
 """
 
 from __future__ import annotations
@@ -12,56 +15,46 @@ from collections.abc import AsyncGenerator
 
 from fastapi import Request
 from fastapi.responses import Response
-from jinja2 import TemplateError
 
+from .chat_prompt import ChatOptions, echoed_text, plain_messages, render_prompt, reply_role
 from .completions import DONE_FRAME, sse_frame
 from .disconnect import CLIENT_CLOSED_REQUEST, SSEResponse
 from .errors import bad_request, error_body, error_for
 from .logprobs import LogprobFormatter
 from .openai_types import (ChatChoice, ChatChunkChoice, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
                            ChatMessage, ChatMessageOut, Usage, to_json)
-from .serving import (PromptInput, ServingContext, all_deltas, build_params, check_context_length, make_choices,
-                      finish_without_streaming, request_id_of, stop_strings, usage_counts)
+from .serving import (PromptInput, ServingContext, all_deltas, build_params, check_context_length,
+                      default_max_tokens, make_choices, finish_without_streaming, request_id_of, stop_strings,
+                      usage_counts)
 from .request_fields import CHAT_FIELDS, check_fields
 from .structured_output import resolve_structured
-from .tokenizer import TokenizerError
-
-# OpenAI's roles; "developer" is the newer name of "system". Whether the model's template can
-# render "tool"/"function" turns is the template's business (it raises if not).
-KNOWN_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
 
-async def render_messages(ctx: ServingContext, messages: list[ChatMessage],
-                          add_generation_prompt: bool = True) -> list[int]:
-    """The messages through the chat template, tokenized (off the event loop when large). Text
-    that cannot fit the context is refused before rendering."""
+def chat_options(req: ChatCompletionRequest) -> ChatOptions:
+    """The request's chat-template options; tools only with ``tool_choice: "none"`` (vLLM without
+    automatic tool choice: OpenAI's default for a request with tools is "auto")."""
+    if req.tool_choice is not None and req.tool_choice != "none":
+        shown = repr(req.tool_choice) if isinstance(req.tool_choice, str) else "naming a function"
+        raise bad_request(f"tool_choice {shown} is not supported yet (no tool calls are served): leave tools out "
+                          'or set tool_choice to "none"', "tool_choice")
+    if req.tools and req.tool_choice is None:
+        raise bad_request('tools without tool_choice mean tool_choice "auto", which is not supported yet (no tool '
+                          'calls are served): set tool_choice to "none"', "tool_choice")
+    tools = [tool.model_dump() for tool in req.tools] if req.tools else None
+    return ChatOptions(req.add_generation_prompt, req.continue_final_message, tools, req.chat_template_kwargs)
+
+
+async def render_messages(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                          options: ChatOptions | None = None) -> list[int]:
+    """The messages through the chat template (chat_prompt.py), tokenized (off the event loop when
+    large). Text that cannot fit the context is refused before rendering."""
+    return await _render(ctx, plain_messages(messages), options or ChatOptions(add_generation_prompt))
+
+
+async def _render(ctx: ServingContext, plain: list[dict], options: ChatOptions) -> list[int]:
     tokenizer = ctx.require_tokenizer("chat")
-    if not tokenizer.chat_template:
-        raise bad_request("this model's tokenizer has no chat template: use /v1/completions", "messages")
-    plain = []
-    for i, message in enumerate(messages):
-        if message.role not in KNOWN_ROLES:
-            raise bad_request(f"messages[{i}].role: unknown role {message.role!r} (expected one of "
-                              f"{', '.join(sorted(KNOWN_ROLES))})", "messages")
-        content = message.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise bad_request(f"messages[{i}].content: only text parts are supported, got {part.type!r}",
-                                      "messages")
-                texts.append(part.text)
-            content = "\n".join(texts)
-        role = "system" if message.role == "developer" else message.role
-        entry = {"role": role, "content": content if content is not None else ""}
-        if message.name is not None:
-            entry["name"] = message.name
-        plain.append(entry)
     ctx.check_text_length(sum(len(m["content"]) + len(m.get("name") or "") for m in plain), "messages")
-    try:
-        text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
-    except (TokenizerError, TemplateError) as exc:
-        raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from None
+    text = render_prompt(tokenizer, plain, options)
     return await tokenizer.encode_async(text, add_special_tokens=False)
 
 
@@ -72,11 +65,15 @@ class _ChatCompletion:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         ctx.admission.check_size(req.n)
+        options = chat_options(req)
+        options.check()
+        messages = plain_messages(req.messages)
         structured = await resolve_structured(req, ctx)
-        return cls(ctx, raw, req, await render_messages(ctx, req.messages, req.add_generation_prompt), structured)
+        prompt_ids = await _render(ctx, messages, options)
+        return cls(ctx, raw, req, prompt_ids, messages, options, structured)
 
     def __init__(self, ctx: ServingContext, raw: Request, req: ChatCompletionRequest, prompt_ids: list[int],
-                 structured=None):
+                 messages: list[dict], options: ChatOptions, structured=None):
         self.ctx, self.req = ctx, req
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:  # as much as the context leaves
@@ -84,8 +81,11 @@ class _ChatCompletion:
                 check_context_length(ctx, len(prompt_ids), 1)
             max_tokens = ctx.max_model_len - len(prompt_ids)
         check_context_length(ctx, len(prompt_ids), max_tokens)
+        max_tokens = default_max_tokens(ctx, max_tokens)
         self.top_n = (req.top_logprobs or 0) if req.logprobs else None
         params = build_params(req, ctx, max_tokens=max_tokens, logprobs=self.top_n, structured=structured)
+        self.role = reply_role(messages, options)
+        self.echo = echoed_text(messages, self.role) if req.echo else ""
         stop = stop_strings(req, ctx)
         self.prompts = [PromptInput(prompt_ids, None)]
         self.choices = make_choices(ctx, raw, self.prompts, req.n, params, req, stop, accumulate=not req.stream)
@@ -104,10 +104,14 @@ class _ChatCompletion:
         for choice in self.choices:
             stream = choice.output
             logprobs = self.logprobs.chat(stream.logprobs, self.top_n) if self.top_n is not None else None
-            out.append(ChatChoice(choice.index, ChatMessageOut("assistant", stream.text), logprobs,
+            out.append(ChatChoice(choice.index, ChatMessageOut(self.role, self.echo + stream.text), logprobs,
                                   stream.finish_reason, stream.stop_reason))
+        prompt_logprobs = None
+        if self.req.prompt_logprobs is not None and self.choices:
+            entries = self.choices[0].output.prompt_logprobs or []
+            prompt_logprobs = self.logprobs.prompt_logprobs(entries, self.req.prompt_logprobs)
         return ChatCompletionResponse(self.id, "chat.completion", self.created, self.ctx.model_name, out,
-                                      self.usage())
+                                      self.usage(), prompt_logprobs)
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
         return sse_frame(ChatCompletionResponse(self.id, "chat.completion.chunk", self.created,
@@ -119,7 +123,10 @@ class _ChatCompletion:
         continuous_usage = include_usage and opts.continuous_usage_stats
         try:
             for choice in self.choices:  # the role first, as OpenAI does
-                yield self._chunk([ChatChunkChoice(choice.index, ChatDelta(role="assistant", content=""))])
+                yield self._chunk([ChatChunkChoice(choice.index, ChatDelta(role=self.role, content=""))])
+            if self.echo:  # then the echoed last message (vLLM)
+                for choice in self.choices:
+                    yield self._chunk([ChatChunkChoice(choice.index, ChatDelta(content=self.echo))])
             deltas = all_deltas(self.ctx, self.choices)
             try:
                 async for choice, delta in deltas:

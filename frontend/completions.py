@@ -3,7 +3,9 @@
 Choice ``index`` = prompt_index * n + i. ``echo`` prepends the prompt (with ``logprobs``, the
 prompt tokens' logprobs too, which the engine computes when asked for ``prompt_logprobs``), so
 lm-evaluation-harness' loglikelihood requests (``echo``, ``logprobs: 1``, ``max_tokens`` 0 or 1, token
-ids) work. ``max_tokens: 0`` without logprobs never reaches the engine.
+ids) work. vLLM's ``prompt_logprobs`` field asks for them on its own, in vLLM's format, in each
+choice of a whole (non-streamed) response. ``max_tokens: 0`` without prompt logprobs never reaches
+the engine.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from fastapi.responses import Response
 from .disconnect import CLIENT_CLOSED_REQUEST, SSEResponse
 from .errors import bad_request, error_body, error_for
 from .logprobs import LogprobFormatter
-from .openai_types import (CompletionChoice, CompletionChoiceWithIds, CompletionRequest, CompletionResponse, Usage,
-                          to_json)
+from .openai_types import (CompletionChoice, CompletionChoiceWithIds, CompletionChoiceWithPromptLogprobs,
+                           CompletionRequest, CompletionResponse, Usage, to_json)
 from .output_stream import StreamDelta
 from .request_fields import COMPLETION_FIELDS, check_fields
 from .structured_output import resolve_structured
 from .serving import (Choice, PromptInput, ServingContext, all_deltas, build_params, check_context_length,
-                      make_choices, parse_prompts, finish_without_streaming, request_id_of, stop_strings, usage_counts)
+                      default_max_tokens, make_choices, parse_prompts, finish_without_streaming, request_id_of,
+                      stop_strings, usage_counts)
 
 DEFAULT_MAX_TOKENS = 16
 DONE_FRAME = b"data: [DONE]\n\n"
@@ -57,13 +60,14 @@ class _Completion:
         max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         for prompt in self.prompts:
             check_context_length(ctx, len(prompt.token_ids), max_tokens)
+        max_tokens = default_max_tokens(ctx, max_tokens)
         self.echo = bool(req.echo)
-        prompt_logprobs = req.logprobs if self.echo and req.logprobs is not None else None
-        params = build_params(req, ctx, max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
+        echo_logprobs = req.logprobs if self.echo and req.logprobs is not None else None
+        params = build_params(req, ctx, max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=echo_logprobs,
                               structured=structured)
         stop = stop_strings(req, ctx)
         # max_tokens 0 only needs the engine for the prompt's logprobs
-        self.needs_engine = max_tokens > 0 or prompt_logprobs is not None
+        self.needs_engine = max_tokens > 0 or params.prompt_logprobs is not None
         self.choices = make_choices(ctx, raw, self.prompts, req.n, params, req, stop, accumulate=not req.stream)
         self.request_id = request_id_of(raw)
         self.id = f"cmpl-{self.request_id}"
@@ -87,7 +91,11 @@ class _Completion:
         return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
 
     def make_choice(self, choice: Choice, text: str, logprobs, finish_reason, stop_reason,
-                    prompt_ids: list[int] | None, token_ids: list[int]) -> CompletionChoice:
+                    prompt_ids: list[int] | None, token_ids: list[int], prompt_logprobs=None) -> CompletionChoice:
+        if prompt_logprobs is not None:
+            ids = (prompt_ids, token_ids) if self.with_ids else (None, None)
+            return CompletionChoiceWithPromptLogprobs(choice.index, text, logprobs, finish_reason, stop_reason, *ids,
+                                                      prompt_logprobs)
         if self.with_ids:
             return CompletionChoiceWithIds(choice.index, text, logprobs, finish_reason, stop_reason, prompt_ids,
                                            token_ids)
@@ -106,9 +114,13 @@ class _Completion:
                 text = self.prompt_text(choice.prompt) + text
             if self.req.logprobs is not None:
                 echo_ids = choice.prompt.token_ids if self.echo else None
-                logprobs, _ = self.logprobs.completion(stream.logprobs, 0, echo_ids, stream.prompt_logprobs)
+                logprobs, _ = self.logprobs.completion(stream.logprobs, 0, echo_ids, stream.prompt_logprobs,
+                                                       self.req.logprobs)
+            prompt_logprobs = None
+            if self.req.prompt_logprobs is not None:
+                prompt_logprobs = self.logprobs.prompt_logprobs(stream.prompt_logprobs or [], self.req.prompt_logprobs)
             out.append(self.make_choice(choice, text, logprobs, stream.finish_reason, stream.stop_reason,
-                                        choice.prompt.token_ids, stream.token_ids))
+                                        choice.prompt.token_ids, stream.token_ids, prompt_logprobs))
         return CompletionResponse(self.id, "text_completion", self.created, self.ctx.model_name, out, self.usage())
 
     # ------------------------------------------------------------------ stream
@@ -139,7 +151,8 @@ class _Completion:
                     logprobs = None
                     if want_logprobs:
                         logprobs, offsets[choice.index] = self.logprobs.completion(
-                            delta.logprobs or [], offsets[choice.index], entries_prompt, delta.prompt_logprobs)
+                            delta.logprobs or [], offsets[choice.index], entries_prompt, delta.prompt_logprobs,
+                            self.req.logprobs)
                     usage = None
                     if continuous_usage:
                         n_prompt, n_out = len(choice.prompt.token_ids), len(choice.output.token_ids)

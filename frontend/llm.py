@@ -1,24 +1,48 @@
-"""Offline generation: ``LLM(model=None, **engine_args).generate(prompts, sampling_params)``.
+"""The offline API, shaped as vLLM's::
 
-Runs the engine core and one worker in this process. Prompts are text (tokenized with the
-checkpoint's tokenizer) or token ids; results keep the input order.
+    from frontend.llm import LLM, SamplingParams
+
+    llm = LLM()  # the embedded tiny model; LLM("/path/to/checkpoint", device="cuda") for a real one
+    outputs = llm.generate(["Hello", "The capital of"], SamplingParams(n=2, stop=["."], max_tokens=8, seed=1))
+    outputs[0].outputs[1].text
+    llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=16))
+
+The engine core and one worker run in this process. Prompts are text (tokenized with the
+checkpoint's tokenizer), token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``;
+results keep the input order, one ``RequestOutput`` (outputs.py) per prompt with its ``n``
+choices. Stop strings, detokenization and choice seeds work as on the server (output_stream.py,
+sampling_params.py); ``chat`` renders conversations with the server's chat-template code
+(chat_prompt.py). Without sampling parameters, ``generate`` and ``chat`` use the model's
+``generation_config.json`` defaults (``get_default_sampling_params``), as vLLM does. The engine's
+own ``engine_core.protocol.SamplingParams`` are accepted too (one choice, no stop strings).
 """
 
 from __future__ import annotations
 
 import itertools
 import sys
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Sequence
 
 from engine_core.config import EngineConfig
 from engine_core.core import EngineCore
 from engine_core.executor import InProcessExecutor
-from engine_core.protocol import AddRequest, SamplingParams, TokenLogprob
+from engine_core.protocol import AddRequest
+from engine_core.protocol import SamplingParams as EngineSamplingParams
 
+from .chat_prompt import ChatOptions, plain_messages, render_prompt
+from .errors import APIError
+from .generation_config import load_sampling_defaults
+from .openai_types import ChatMessage
+from .output_stream import OutputStream
+from .outputs import CompletionOutput, Logprob, RequestOutput, to_logprobs
+from .sampling_params import SamplingParams, choice_params
 from .tokenizer import Tokenizer, TokenizerError
 
-Prompt = str | list[int]
+__all__ = ["LLM", "Logprob", "PromptError", "RequestOutput", "CompletionOutput", "SamplingParams"]
+
+Prompt = str | list[int] | dict
+Params = SamplingParams | EngineSamplingParams
 
 
 class PromptError(ValueError):
@@ -29,87 +53,194 @@ class PromptError(ValueError):
         self.index, self.reason = index, reason
 
 
-@dataclass
-class GenerationResult:
+@dataclass(eq=False)
+class _Choice:
     request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob] | None = None
-    error: str = ""  # why the engine ended the request (e.g. a structured-output spec that does not compile)
+    stream: OutputStream
+    error: str = ""
+    done: bool = False
+
+
+@dataclass(eq=False)
+class _Prompt:
+    """One prompt of a call: what the user asked for and its choices while they run."""
+
+    text: str | None
+    ids: list[int]
+    params: SamplingParams | None  # None: the engine's own parameters were given
+    engine_params: EngineSamplingParams
+    choices: list[_Choice] = field(default_factory=list)
+    prompt_logprobs: list | None = None
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args):
+    def __init__(self, model: str | None = None, *, generation_config: str = "auto", **engine_args):
+        """``generation_config``: ``auto`` (the model's generation_config.json), ``vllm`` (none) or a
+        directory holding one; ``engine_args`` are ``EngineConfig`` fields (device, dp_size, ...)."""
         if model is None:
             from model.checkpoint_maker import default_model_dir
 
             model = str(default_model_dir())
+        if "generation_config" in {f.name for f in fields(EngineConfig)}:
+            engine_args["generation_config"] = generation_config
         self.config = EngineConfig(model=str(model), **engine_args)
         self.engine = EngineCore(self.config, InProcessExecutor(self.config))
         try:
             self.tokenizer: Tokenizer | None = Tokenizer(model)
         except TokenizerError:
             self.tokenizer = None  # token-id prompts only
+        self.sampling_defaults = load_sampling_defaults(model, generation_config)
+        self.eos_token_id = self.engine.executor.info.eos_token_id
         self._ids = itertools.count()
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[GenerationResult]:
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's defaults (generation_config.json), else the neutral ones."""
+        return SamplingParams(**self.sampling_defaults)
+
+    # ------------------------------------------------------------------ entry points
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: Params | Sequence[Params] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
-        results: dict[str, GenerationResult] = {}
-        order = []
-        for index, (prompt, params) in enumerate(zip(prompts, params_list)):
-            request_id = f"offline-{next(self._ids)}"
+        inputs = []
+        for index, prompt in enumerate(prompts):
             try:
-                if isinstance(prompt, str):
-                    if self.tokenizer is None:
-                        raise ValueError("this checkpoint has no tokenizer: pass token ids")
-                    ids, text = self.tokenizer.encode(prompt), prompt
-                else:
-                    ids, text = list(prompt), None
-                self.engine.add_request(AddRequest(request_id, ids, params))
+                inputs.append(self._tokenize(prompt))
             except ValueError as exc:
-                self.engine.abort(order)  # all or nothing: withdraw the prompts already queued
-                raise PromptError(index, str(exc)) from exc
-            results[request_id] = GenerationResult(request_id, text, ids, [], "", None)
-            order.append(request_id)
-        progress = _progress(len(order), use_tqdm)
+                raise PromptError(index, str(exc)) from None
+        return self._run(inputs, self._params_list(sampling_params, len(inputs)), use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: Params | Sequence[Params] | None = None,
+             use_tqdm: bool = True, *, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several (a list of such lists), rendered with the
+        model's chat template as the server renders them; one ``RequestOutput`` per conversation."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: chat is not available")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        options = ChatOptions(add_generation_prompt, continue_final_message, tools, chat_template_kwargs)
+        inputs = []
+        for index, conversation in enumerate(conversations):
+            try:
+                if not conversation:
+                    raise ValueError("a conversation needs at least one message")
+                plain = plain_messages([ChatMessage.model_validate(m) for m in conversation])
+                text = render_prompt(self.tokenizer, plain, options)
+            except APIError as exc:
+                raise PromptError(index, exc.message) from None
+            except ValueError as exc:  # pydantic's ValidationError: a malformed message
+                raise PromptError(index, str(exc)) from None
+            inputs.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
+        return self._run(inputs, self._params_list(sampling_params, len(inputs)), use_tqdm)
+
+    # ------------------------------------------------------------------ preparing
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif isinstance(prompt.get("prompt"), str):
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer: pass token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("a prompt must be text, a list of token ids, or a prompt dict")
+        return None, list(prompt)
+
+    def _params_list(self, sampling_params, count: int) -> list[Params]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, (SamplingParams, EngineSamplingParams)):
+            return [sampling_params] * count
+        params = list(sampling_params)
+        if len(params) != count:
+            raise ValueError(f"{count} prompts but {len(params)} sampling params")
+        return params
+
+    def _prepare(self, index: int, text: str | None, ids: list[int], params: Params) -> _Prompt:
+        if isinstance(params, EngineSamplingParams):
+            return _Prompt(text, ids, None, params)
+        if (params.stop or params.structured_outputs is not None) and self.tokenizer is None:
+            raise PromptError(index, "stop strings and structured output need the model's tokenizer")
+        max_tokens = params.max_tokens
+        if max_tokens is None:  # as many as the context leaves
+            max_tokens = max(self.engine.max_model_len - len(ids), 0)
+        try:
+            engine_params = params.engine_params(max_tokens)
+        except ValueError as exc:
+            raise PromptError(index, str(exc)) from None
+        return _Prompt(text, ids, params, engine_params)
+
+    # ------------------------------------------------------------------ running
+    def _run(self, inputs: list[tuple[str | None, list[int]]], params_list: list[Params],
+             use_tqdm: bool) -> list[RequestOutput]:
+        prompts = [self._prepare(i, text, ids, params) for i, ((text, ids), params) in enumerate(zip(inputs, params_list))]
+        by_request: dict[str, tuple[_Prompt, _Choice]] = {}
+        for index, prompt in enumerate(prompts):
+            user = prompt.params
+            for i in range(user.n if user is not None else 1):
+                request_id = f"offline-{next(self._ids)}"
+                stream = OutputStream(
+                    self.tokenizer, prompt.ids, user.stop if user is not None else None,
+                    include_stop_str=user is not None and user.include_stop_str_in_output,
+                    skip_special_tokens=user is None or user.skip_special_tokens,
+                    min_tokens=prompt.engine_params.min_tokens, eos_token_id=self.eos_token_id, accumulate=True)
+                try:
+                    self.engine.add_request(AddRequest(request_id, prompt.ids, choice_params(prompt.engine_params, i)))
+                except ValueError as exc:
+                    self.engine.abort(list(by_request))  # all or nothing: withdraw what is queued
+                    raise PromptError(index, str(exc)) from exc
+                choice = _Choice(request_id, stream)
+                prompt.choices.append(choice)
+                by_request[request_id] = (prompt, choice)
+        progress = _progress(len(prompts), use_tqdm)
         while self.engine.has_work:
             for out in self.engine.step():
-                result = results[out.request_id]
-                result.token_ids.extend(out.new_token_ids)
-                if out.logprobs is not None:
-                    result.logprobs = (result.logprobs or []) + out.logprobs
-                if out.prompt_logprobs is not None:
-                    result.prompt_logprobs = out.prompt_logprobs
+                prompt, choice = by_request.get(out.request_id, (None, None))
+                if choice is None or choice.done:
+                    continue  # the last outputs of a choice a stop string already ended
+                delta = choice.stream.process(out)
+                if out.prompt_logprobs is not None and prompt.prompt_logprobs is None:
+                    prompt.prompt_logprobs = out.prompt_logprobs
                 if out.error:
-                    result.error = out.error
-                if out.finish_reason is not None:
-                    result.finish_reason = out.finish_reason
-                    if progress is not None:
-                        progress.update(1)
+                    choice.error = out.error
+                if delta.finish_reason is None:
+                    continue
+                choice.done = True
+                if out.finish_reason is None:  # a stop string: the engine would go on
+                    self.engine.abort([out.request_id])
+                if progress is not None and all(c.done for c in prompt.choices):
+                    progress.update(1)
         if progress is not None:
             progress.close()
-        for result in results.values():
-            if self.tokenizer is not None:
-                result.text = self.tokenizer.decode(result.token_ids)
-        return [results[r] for r in order]
+        return [self._result(prompt) for prompt in prompts]
+
+    def _result(self, prompt: _Prompt) -> RequestOutput:
+        logprobs_n = prompt.engine_params.logprobs
+        outputs = []
+        for i, choice in enumerate(prompt.choices):
+            stream = choice.stream
+            entries = stream.logprobs if logprobs_n is not None else None
+            outputs.append(CompletionOutput(
+                i, stream.text, stream.token_ids,
+                sum(e.logprob for e in entries) if entries is not None else None,
+                to_logprobs(entries, logprobs_n, self.tokenizer) if entries is not None else None,
+                stream.finish_reason, stream.stop_reason, choice.error, entries))
+        prompt_logprobs = None
+        if prompt.engine_params.prompt_logprobs is not None:
+            prompt_logprobs = [None, *to_logprobs(prompt.prompt_logprobs or [], prompt.engine_params.prompt_logprobs,
+                                                  self.tokenizer)]
+        request_id = prompt.choices[0].request_id if prompt.choices else ""
+        return RequestOutput(request_id, prompt.text, prompt.ids, prompt_logprobs, outputs)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
         return [prompts]  # a single token-id prompt
     return prompts
 
@@ -119,4 +250,4 @@ def _progress(total: int, enabled: bool):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="generating", unit="req", file=sys.stderr)
+    return tqdm(total=total, desc="generating", unit="prompt", file=sys.stderr)

@@ -97,6 +97,8 @@ class SamplingRequest(_Request):
     guided_choice: Annotated[list[str] | None, Field(max_length=MAX_LIST_ITEMS)] = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM: the prompt tokens' logprobs (and this many alternatives each); not with stream
+    prompt_logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -119,13 +121,32 @@ class ChatMessage(_Request):
     name: str | None = None
 
 
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int | None, Field(ge=0, le=MAX_INT)] = None  # None: up to the context length
     max_completion_tokens: Annotated[int | None, Field(ge=0, le=MAX_INT)] = None  # OpenAI's newer name, preferred
     logprobs: bool | None = False
     top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None
+    # vLLM's chat-template options (chat_prompt.py)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # vLLM: the reply starts with the last message when it has the reply's role
+    # tools are shown to the chat template; only tool_choice "none" is served (no tool calls yet)
+    tools: Annotated[list[ChatTool] | None, Field(max_length=MAX_LIST_ITEMS)] = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Request):
@@ -166,6 +187,24 @@ class CompletionChoice(msgspec.Struct):
 class CompletionChoiceWithIds(CompletionChoice):
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+
+
+class PromptLogprob(msgspec.Struct):
+    """vLLM's logprob entry: ``rank`` is 1 for the most likely token (None where not known)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# one entry per prompt token, keyed by token id; the first is null (nothing predicts it)
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class CompletionChoiceWithPromptLogprobs(CompletionChoiceWithIds):
+    """A whole response's choice when ``prompt_logprobs`` was asked for (vLLM)."""
+
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(msgspec.Struct, omit_defaults=True):
@@ -229,6 +268,7 @@ class ChatCompletionResponse(msgspec.Struct, omit_defaults=True):
     model: str
     choices: list[ChatChoice] | list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM, with prompt_logprobs (whole responses only)
 
 
 class ModelCard(msgspec.Struct):

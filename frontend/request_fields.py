@@ -3,8 +3,8 @@ silently ignored.
 
 * implemented: a field of the request model (openai_types.py), honoured.
 * rejected (400): a feature we do not support. A request that sets it is refused with a 400
-  naming the field, unless its value asks for what we do anyway (``allowed``: ``tool_choice:
-  "none"``, ``suffix: ""``, ``echo: false``, ...). ``null`` always counts as absent.
+  naming the field, unless its value asks for what we do anyway (``allowed``: ``suffix: ""``,
+  ``use_beam_search: false``, ``function_call: "none"``, ...). ``null`` always counts as absent.
 * accepted and ignored (warning): harmless to drop (``user``, ``metadata``, ...). The request is
   served; the field is named in a warning, logged once per field name per process.
 
@@ -80,13 +80,14 @@ _SHARED: dict[str, FieldSpec] = {
     "guided_choice": _impl(["yes", "no"], "vLLM"),
     "guided_grammar": _impl('root ::= "a" | "b"', "vLLM (EBNF)"),
     "structured_outputs": _impl({"choice": ["yes", "no"]}, "vLLM"),
+    "prompt_logprobs": _impl(1, "vLLM: the prompt tokens' logprobs and this many alternatives (0-20); "
+                                "not with `stream`"),
     # vLLM sampling parameters we do not implement
     "use_beam_search": _reject(True, "beam search", allowed=(False,)),
     "length_penalty": _reject(0.5, "beam search only", allowed=(1.0,)),
     "truncate_prompt_tokens": _reject(8, "too long a prompt is refused instead"),
     "allowed_token_ids": _reject([1, 2]),
     "bad_words": _reject(["foo"], allowed=([],)),
-    "prompt_logprobs": _reject(1, "completions: use `echo` with `logprobs`"),
     "logits_processors": _reject(["custom"]),
     "return_tokens_as_token_ids": _reject(True, allowed=(False,)),
     "spaces_between_special_tokens": _reject(False, allowed=(True,)),
@@ -100,6 +101,8 @@ _SHARED: dict[str, FieldSpec] = {
     "kv_transfer_params": _ignore({}),
     "vllm_xargs": _ignore({}),
 }
+
+_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 
 COMPLETION_FIELDS: dict[str, FieldSpec] = {
     "prompt": _impl("Hello", "text, token ids, or a batch of either"),
@@ -121,10 +124,16 @@ CHAT_FIELDS: dict[str, FieldSpec] = {
     "logprobs": _impl(True),
     "top_logprobs": _impl(2, needs={"logprobs": True}),
     "add_generation_prompt": _impl(False, "vLLM"),
+    "continue_final_message": _impl(True, "vLLM: the last message is left open for the reply to continue; "
+                                          "with `add_generation_prompt: false`",
+                                    needs={"add_generation_prompt": False}),
+    "chat_template_kwargs": _impl({"enable_thinking": True}, "vLLM: extra variables for the chat template"),
+    "echo": _impl(True, "vLLM: the reply starts with the last message when that has the reply's role"),
     **_SHARED,
-    "tools": _ignore([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-                     "no tool calling yet: accepted only with `tool_choice` absent or `none`"),
-    "tool_choice": _reject("auto", "tool calling", allowed=("none",)),
+    "tools": _impl(_TOOLS, "shown to the chat template; only with `tool_choice: \"none\"` (no tool calls yet)",
+                   needs={"tool_choice": "none"}),
+    "tool_choice": _impl("none", "only `none`; other values, or `tools` without it (OpenAI's default "
+                                 "`auto`), are a 400 until tool calls are served"),
     "parallel_tool_calls": _ignore(True),
     "functions": _ignore([{"name": "f", "parameters": {"type": "object"}}],
                          "deprecated `tools`; accepted only with `function_call` absent or `none`"),
@@ -134,10 +143,7 @@ CHAT_FIELDS: dict[str, FieldSpec] = {
     "prediction": _reject({"type": "content", "content": "x"}),
     "web_search_options": _reject({}),
     "reasoning_effort": _reject("low"),
-    "echo": _reject(True, "vLLM", allowed=(False,)),
-    "continue_final_message": _reject(True, "vLLM", allowed=(False,)),
     "chat_template": _reject("{{ messages }}", "vLLM"),
-    "chat_template_kwargs": _reject({"enable_thinking": True}, "vLLM", allowed=({},)),
     "documents": _reject([{"title": "t", "text": "x"}], "vLLM"),
     "add_special_tokens": _reject(True, "the chat template writes them", allowed=(False,)),
     "metadata": _ignore({"k": "v"}),

@@ -17,7 +17,6 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import msgspec
 from fastapi import Request
 
 from engine_core.protocol import SamplingParams, StructuredOutput
@@ -25,9 +24,11 @@ from engine_core.protocol import SamplingParams, StructuredOutput
 from .admission import Admission, Reservation
 from .engine_client import EngineClientBase, QueueFullError
 from .errors import APIError, bad_request
+from .generation_config import load_sampling_defaults
 from .metrics import FrontendMetrics, RequestTimer
 from .openai_types import SamplingRequest
 from .output_stream import OutputStream, StreamDelta
+from .sampling_params import choice_params
 from .tokenizer import Tokenizer
 
 
@@ -45,6 +46,10 @@ class ServingContext:
     admission: Admission
     sse_keepalive_s: float = 15.0  # a ": keep-alive" comment this often while a stream waits
     metrics: FrontendMetrics = None  # type: ignore[assignment]
+    # default sampling parameters (generation_config.py); None: read the generation_config.json of
+    # the model directory the tokenizer came from
+    sampling_defaults: dict | None = None
+    served_model_names: tuple[str, ...] = ()  # more names ``model`` may give (--served-model-name)
     pending_first_output: int = 0  # engine requests sent that have not produced an output yet
     _request_counter: itertools.count = field(default_factory=itertools.count)
     _grammar_validator: object = None  # structured_output.GrammarValidator, made at first use
@@ -52,6 +57,9 @@ class ServingContext:
     def __post_init__(self) -> None:
         if self.metrics is None:
             self.metrics = FrontendMetrics(self.engine, lambda: self.pending_first_output)
+        if self.sampling_defaults is None:
+            model_dir = getattr(self.tokenizer, "model_dir", None)
+            self.sampling_defaults = load_sampling_defaults(model_dir) if model_dir is not None else {}
 
     def grammar_validator(self):
         """The server's structured-output validator (one xgrammar compiler and cache), or None
@@ -77,7 +85,7 @@ class ServingContext:
         return self.max_model_len * MAX_CHARS_PER_TOKEN
 
     def check_model(self, model: str | None) -> None:
-        if model and model != self.model_name:
+        if model and model != self.model_name and model not in self.served_model_names:
             raise APIError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model",
                            "model_not_found")
 
@@ -186,11 +194,23 @@ def stop_strings(req: SamplingRequest, ctx: ServingContext) -> list[str]:
     return stop
 
 
+def default_max_tokens(ctx: ServingContext, requested: int) -> int:
+    """``max_tokens`` capped by the model's default (generation_config.json), as vLLM does."""
+    default = ctx.sampling_defaults.get("max_tokens")
+    return requested if default is None else min(requested, int(default))
+
+
 def build_params(req: SamplingRequest, ctx: ServingContext, *, max_tokens: int, logprobs: int | None,
                  prompt_logprobs: int | None = None, structured: StructuredOutput | None = None) -> SamplingParams:
-    """The engine's sampling parameters of the request's first choice (``seed`` shifts per choice)."""
+    """The engine's sampling parameters of the request's first choice (``seed`` shifts per choice).
+    A sampling knob the request leaves out takes the model's default (generation_config.json),
+    else the neutral value."""
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options may only be set when stream is true", "stream_options")
+    if req.prompt_logprobs is not None:
+        if req.stream:
+            raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+        prompt_logprobs = max(prompt_logprobs or 0, req.prompt_logprobs)
     if req.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
     stop_token_ids = tuple(req.stop_token_ids or ())
@@ -208,29 +228,23 @@ def build_params(req: SamplingRequest, ctx: ServingContext, *, max_tokens: int, 
             if not 0 <= token < ctx.vocab_size:
                 raise bad_request(f"logit_bias token id {token} is out of range [0, {ctx.vocab_size})", "logit_bias")
             logit_bias[token] = float(bias)
+    defaults = ctx.sampling_defaults
 
-    def given(value, default):
-        return default if value is None else value
+    def given(name: str, neutral):
+        value = getattr(req, name)
+        return defaults.get(name, neutral) if value is None else value
 
     try:
         return SamplingParams(
-            temperature=given(req.temperature, 1.0), top_p=given(req.top_p, 1.0), top_k=given(req.top_k, 0),
-            min_p=given(req.min_p, 0.0), presence_penalty=given(req.presence_penalty, 0.0),
-            frequency_penalty=given(req.frequency_penalty, 0.0),
-            repetition_penalty=given(req.repetition_penalty, 1.0), logit_bias=logit_bias, seed=req.seed,
+            temperature=given("temperature", 1.0), top_p=given("top_p", 1.0), top_k=given("top_k", 0),
+            min_p=given("min_p", 0.0), presence_penalty=given("presence_penalty", 0.0),
+            frequency_penalty=given("frequency_penalty", 0.0),
+            repetition_penalty=given("repetition_penalty", 1.0), logit_bias=logit_bias, seed=req.seed,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, max_tokens=max_tokens,
             min_tokens=req.min_tokens, stop_token_ids=stop_token_ids, ignore_eos=req.ignore_eos,
             structured=structured)
     except ValueError as exc:
         raise bad_request(str(exc)) from None
-
-
-def choice_params(params: SamplingParams, choice_in_prompt: int) -> SamplingParams:
-    """With a seed, choice i samples with seed + i: choices differ but stay reproducible.
-    Without one the engine draws a random seed per request."""
-    if params.seed is None or choice_in_prompt == 0:
-        return params
-    return msgspec.structs.replace(params, seed=params.seed + choice_in_prompt)
 
 
 # ----------------------------------------------------------------------------- running choices

@@ -1,5 +1,5 @@
 """The checkpoint's tokenizer: ``tokenizer.json`` (Hugging Face ``tokenizers``) plus
-``tokenizer_config.json`` (bos/eos, chat template), with incremental detokenization.
+``tokenizer_config.json`` (bos/eos, chat template); incremental detokenization is in detokenizer.py.
 
 Large inputs are tokenized (and detokenized) off the event loop, in a small thread pool, through
 ``encode_batch``/``decode_batch``: unlike ``encode``/``decode``, those release the GIL while the
@@ -16,6 +16,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders
+
+from .detokenizer import IncrementalDetokenizer
 
 
 class TokenizerError(ValueError):
@@ -53,6 +55,7 @@ class Tokenizer:
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise TokenizerError(f"{model_dir} has no tokenizer.json")
+        self.model_dir = model_dir
         self.hf = HFTokenizer.from_file(str(path))
         config_path = model_dir / "tokenizer_config.json"
         self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
@@ -136,12 +139,15 @@ class Tokenizer:
         return cached
 
     # ------------------------------------------------------------------ chat
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **template_kwargs) -> str:
+        """The template's text for ``messages``; ``template_kwargs`` are more template variables
+        (chat_prompt.py keeps them from replacing these)."""
         if not self.chat_template:
             raise TokenizerError("this model's tokenizer has no chat template")
         template = self._template()
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        return template.render(**template_kwargs, messages=messages, add_generation_prompt=add_generation_prompt,
+                               tools=tools, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
     def _template(self):
         """The chat template, compiled once (compiling costs milliseconds, rendering microseconds)."""
@@ -158,50 +164,6 @@ class Tokenizer:
         return self._compiled_template
 
     def detokenizer(self, prompt_ids: list[int] | None = None,
-                    skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+                    skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        """An incremental detokenizer for the output that follows ``prompt_ids`` (detokenizer.py)."""
         return IncrementalDetokenizer(self, prompt_ids or (), skip_special_tokens)
-
-
-class IncrementalDetokenizer:
-    """Text of a growing token sequence, emitted as deltas that never split a character.
-
-    Each step decodes only a short window: the tokens already emitted by the previous step
-    (``prefix``) and the new ones; the delta is what the window's text adds to the prefix's.
-    The window keeps tokenizer-dependent joins (a leading space, merges) right without decoding
-    the whole sequence each time. Byte-level tokens can end in the middle of a UTF-8 character
-    (decoded as U+FFFD); such text is held back until following tokens complete it. The last few
-    prompt tokens seed the window, so the first output token is decoded in context.
-    """
-
-    CONTEXT_TOKENS = 5
-
-    def __init__(self, tokenizer: Tokenizer, context_ids=(), skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.token_ids: list[int] = list(context_ids[-self.CONTEXT_TOKENS:])
-        self._prefix_offset = 0  # window start
-        self._read_offset = len(self.token_ids)  # tokens before this are emitted (or context)
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def add(self, new_ids: list[int]) -> str:
-        """Append tokens; return the newly completed text."""
-        self.token_ids.extend(new_ids)
-        ids = self.token_ids
-        prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
-        window_text = self._decode(ids[self._prefix_offset:])
-        if len(window_text) <= len(prefix_text) or window_text.endswith("\ufffd"):
-            return ""  # nothing new yet, or a character still incomplete
-        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
-        return window_text[len(prefix_text):]
-
-    def flush(self) -> str:
-        """At the end: whatever is left, even an incomplete character."""
-        ids = self.token_ids
-        if self._read_offset >= len(ids):
-            return ""
-        prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
-        window_text = self._decode(ids[self._prefix_offset:])
-        self._prefix_offset = self._read_offset = len(ids)
-        return window_text[len(prefix_text):]

@@ -1,5 +1,7 @@
-"""``mini-deepinfer generate``: JSONL in, one JSON result per line out, in input order; bad input
-lines give a clear error (naming the line) and exit code 2."""
+"""``mini-deepinfer generate`` (alias ``run-batch``): JSONL in, one JSON result per line out, in input
+order. The original format (a prompt per line): bad lines give a clear error naming the line and
+exit code 2. OpenAI's batch format: every request is served as the HTTP server serves it (fields
+honoured or refused with a 400 naming them, alone), results in OpenAI's batch output format."""
 
 from __future__ import annotations
 
@@ -116,7 +118,10 @@ BAD_LINES = [
     ('{"prompt": 5}', "line 2: needs 'prompt'"),
     ('{"prompt_token_ids": "5 6 7"}', "line 2: prompt_token_ids must be a list of integers"),
     ('{"prompt_token_ids": [5, "6"]}', "line 2: prompt_token_ids must be a list of integers"),
-    ('{"prompt": "a", "temperature": -1}', "line 2: temperature must be >= 0"),
+    ('{"prompt": "a", "temperature": -1}', "line 2: temperature"),
+    ('{"prompt": "a", "prompt_token_ids": [5]}', "line 2: give one of prompt, prompt_token_ids"),
+    ('{"prompt": "a", "n": 2}', "line 2: n: several choices need the OpenAI batch format"),
+    ('{"prompt": "a", "use_beam_search": true}', "line 2: use_beam_search"),
     ('{"prompt": "a", "top_p": 0}', "line 2: top_p"),
     ('{"prompt": "a", "top_k": -2}', "line 2: top_k"),
     ('{"prompt": "a", "max_tokens": -1}', "line 2: max_tokens"),
@@ -135,11 +140,11 @@ def test_bad_line_is_a_clear_error_with_exit_code_2(tiny_checkpoint, tmp_path, c
 
 
 @pytest.mark.parametrize("line,message", [
-    ('{"prompt_token_ids": [5, 99999]}', "outside the vocabulary"),
+    ('{"prompt_token_ids": [5, 99999]}', "token id 99999 in prompt is out of range"),
     ('{"prompt_token_ids": []}', "empty"),
-    (json.dumps({"prompt_token_ids": [7] * 128}), "does not fit"),  # --max-model-len 128
+    (json.dumps({"prompt_token_ids": [7] * 128}), "maximum context length is 128 tokens"),  # --max-model-len 128
 ])
-def test_prompt_refused_by_the_engine_exits_2_and_names_the_line(tiny_checkpoint, tmp_path, capsys, line, message):
+def test_prompt_refused_by_the_server_exits_2_and_names_the_line(tiny_checkpoint, tmp_path, capsys, line, message):
     code, out = run_cli(tmp_path, tiny_checkpoint, [GOOD, line, GOOD])
     assert code == 2
     err = capsys.readouterr().err

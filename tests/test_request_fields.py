@@ -52,11 +52,18 @@ EFFECTS = {
     "n": lambda r: len(r["choices"]) == 2,
     "max_tokens": lambda r: r["usage"]["completion_tokens"] == 5,
     "max_completion_tokens": lambda r: r["usage"]["completion_tokens"] == 5,
-    "echo": lambda r: r["choices"][0]["text"].startswith("Hello there"),
     "logprobs": lambda r: r["choices"][0]["logprobs"] is not None,
     "top_logprobs": lambda r: len(r["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2,
     "return_token_ids": lambda r: r["choices"][0]["token_ids"],
     "stop_token_ids": lambda r: all(c["finish_reason"] in ("length", "stop") for c in r["choices"]),
+}
+ENDPOINT_EFFECTS = {
+    ("/v1/completions", "echo"): lambda r: r["choices"][0]["text"].startswith("Hello there"),
+    ("/v1/completions", "prompt_logprobs"): lambda r: r["choices"][0]["prompt_logprobs"][0] is None
+    and len(r["choices"][0]["prompt_logprobs"]) == r["usage"]["prompt_tokens"],
+    ("/v1/chat/completions", "prompt_logprobs"): lambda r: r["prompt_logprobs"][0] is None
+    and len(r["prompt_logprobs"]) == r["usage"]["prompt_tokens"],
+    ("/v1/chat/completions", "continue_final_message"): lambda r: r["choices"][0]["message"]["role"] == "user",
 }
 
 
@@ -73,8 +80,10 @@ def test_field(served, caplog, endpoint, name):
         stream = bool(fields.get("stream"))
         if stream:
             assert "data: [DONE]" in r.text
-        elif name in EFFECTS:
-            assert EFFECTS[name](r.json()), r.text
+        else:
+            effect = ENDPOINT_EFFECTS.get((endpoint, name), EFFECTS.get(name))
+            if effect is not None:
+                assert effect(r.json()), r.text
     elif spec.status == REJECTED:
         assert r.status_code == 400, r.text
         error = r.json()["error"]
@@ -104,9 +113,11 @@ def test_unknown_field_is_a_warning(served, caplog, endpoint):
 
 def test_tools_need_tool_choice_none(served):
     tools = CHAT_FIELDS["tools"].example
-    assert post(served, "/v1/chat/completions", tools=tools).status_code == 200
     assert post(served, "/v1/chat/completions", tools=tools, tool_choice="none").status_code == 200
-    for choice in ("auto", "required", {"type": "function", "function": {"name": "f"}}):
-        r = post(served, "/v1/chat/completions", tools=tools, tool_choice=choice)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    assert post(served, "/v1/chat/completions", tool_choice="none").status_code == 200
+    # without tool_choice, tools mean OpenAI's default "auto": refused until tool calls are served
+    for choice in (None, "auto", "required", {"type": "function", "function": {"name": "f"}}):
+        fields = {"tools": tools} if choice is None else {"tools": tools, "tool_choice": choice}
+        r = post(served, "/v1/chat/completions", **fields)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
         assert "tool_choice" in r.json()["error"]["message"] and "not supported yet" in r.json()["error"]["message"]
