@@ -48,8 +48,9 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-GAUGES = ("requests_running", "requests_waiting", "kv_blocks_used", "state_slots_used", "frontend_requests_pending")
-PREFIX = "minideepinfer_"
+GAUGES = ("num_requests_running", "num_requests_waiting", "kv_blocks_used", "state_slots_used",
+          "frontend_requests_pending")
+PREFIX = "minideepinfer:"
 
 
 # ----------------------------------------------------------------------------- process memory
@@ -344,7 +345,7 @@ async def read_gauges(client: httpx.AsyncClient, base: str) -> dict[str, float]:
     text = (await client.get(base + "/metrics")).text
     values = {}
     for name in GAUGES:
-        match = re.search(rf"^{PREFIX}{name}\s+(\S+)", text, re.M)
+        match = re.search(rf"^{PREFIX}{name}(?:\{{[^}}]*\}})?\s+(\S+)", text, re.M)  # with or without labels
         if match:
             values[name] = float(match.group(1))
     return values

@@ -1,33 +1,89 @@
-"""Engine configuration: the command-line flags, resolved once into a frozen dataclass."""
+"""Engine configuration: one frozen dataclass that is both the engine's settings and the
+declaration of its command-line flags (``cli_options.flag`` in each field's metadata), resolved
+and checked once (``engine_config_from_args``) before any process starts.
+
+Flag names follow vLLM where the meaning is the same (``--data-parallel-size/-dp``, ``--seed``,
+``--enforce-eager``, ``--max-model-len``, ...). Checks that need the model directory
+(``check_engine_config``: the files are there, ``--max-model-len`` within the model's limit, the
+device exists) raise ``EngineConfigError`` with one line for the user.
+"""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .cli_options import add_dataclass_flags, flag, values_from_args
+
+
+class EngineConfigError(ValueError):
+    """A configuration that cannot run (a bad model path, a limit exceeded, incompatible flags)."""
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str  # checkpoint directory
-    device: str = "cpu"  # "cpu" or "cuda"
-    dp_size: int = 1  # data-parallel ranks (one worker process each); experts are sharded over them
-    max_num_seqs: int = 64  # running sequences per DP rank
-    max_num_batched_tokens: int = 512  # prefill tokens per step per DP rank
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    block_size: int = 128  # source tokens per KV block
-    num_blocks: int | None = None  # KV blocks per rank (default: from the memory budget)
-    num_state_slots: int | None = None  # state slots per rank (default: max_num_seqs)
-    gpu_memory_utilization: float = 0.9  # fraction of GPU memory the worker may use, caches included
-    cpu_kv_cache_gb: float = 1.0  # memory budget of the caches on CPU
-    cpu_threads: int = 1  # intra-op threads of a CPU worker (small models run fastest on one)
-    zos: bool = True  # zero-overhead scheduling: plan step N+1 while step N runs
-    batch_invariant: bool | None = None  # default: on for CPU, off for CUDA
-    official_index_handoff: bool = False  # reproduce the reference's index-key hand-off quirk
-    max_queued_requests: int = 1024  # waiting requests beyond this get 503 (frontend)
-    max_seqs_per_request: int = 256  # prompts x n of one request; more gets a 400 (frontend)
-    step_timeout: float = 120.0  # seconds a step may take before its rank is declared stuck
-    kernels: str | None = None  # kernel backend: reference | triton (default: triton on CUDA, reference on CPU)
-    load_format: str = "auto"  # auto (safetensors files) | dummy (random weights made on the device)
+    model: str = field(metadata=flag(
+        "checkpoint directory (official DeepSeek-V4.1 layout: config.json, *.safetensors, tokenizer)",
+        default_help="the embedded tiny model"))
+    device: str = field(default="cpu", metadata=flag(
+        "where the workers run", choices=("cpu", "cuda"), default_help="cuda if available, else cpu"))
+    dp_size: int = field(default=1, metadata=flag(
+        "data-parallel ranks: one worker process per GPU or CPU rank; the routed experts are sharded over them",
+        names=("--data-parallel-size", "-dp", "--dp"), metavar="N"))
+    max_num_seqs: int = field(default=64, metadata=flag("running sequences per DP rank"))
+    max_num_batched_tokens: int = field(default=512, metadata=flag("prefill tokens per step per DP rank"))
+    max_model_len: int | None = field(default=None, metadata=flag(
+        "longest sequence (prompt + output) in tokens; an error if above the model's limit",
+        default_help="the model's max_position_embeddings, or less if the KV cache cannot hold that"))
+    block_size: int = field(default=128, metadata=flag("source tokens per paged KV block"))
+    num_blocks: int | None = field(default=None, metadata=flag(
+        "KV blocks per DP rank (overrides the memory budget)", default_help="from the memory budget"))
+    num_state_slots: int | None = field(default=None, metadata=flag(
+        "per-sequence state slots per DP rank (sliding-window rings, compressor tails)",
+        default_help="--max-num-seqs"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=flag(
+        "fraction of GPU memory a worker may use, weights and caches included"))
+    cpu_kv_cache_gb: float = field(default=1.0, metadata=flag("memory budget of the caches of a CPU worker, in GiB"))
+    cpu_threads: int = field(default=1, metadata=flag(
+        "intra-op threads of a CPU worker (small models run fastest on one)"))
+    zos: bool = field(default=True, metadata=flag(
+        "zero-overhead scheduling: plan step N+1 while step N runs", negative="--no-zos"))
+    batch_invariant: bool | None = field(default=None, metadata=flag(
+        "every row's result independent of the batch it is in", negative="--no-batch-invariant",
+        default_help="on for cpu, off for cuda"))
+    official_index_handoff: bool = field(default=False, metadata=flag(
+        "reproduce the reference's index-key hand-off on decode steps (see model/transformer.py)"))
+    max_queued_requests: int = field(default=1024, metadata=flag(
+        "sequences that may wait beyond the running ones; more get 503 with Retry-After"))
+    max_seqs_per_request: int = field(default=256, metadata=flag(
+        "largest number of sequences (prompts x n) one request may ask for; more get 400"))
+    step_timeout: float = field(default=120.0, metadata=flag(
+        "seconds a step may take before its rank is declared stuck and the server exits"))
+    kernels: str | None = field(default=None, metadata=flag(
+        "kernel backend of the FP8/FP4 products", choices=("reference", "triton"),
+        default_help="triton on cuda, reference on cpu"))
+    load_format: str = field(default="auto", metadata=flag(
+        "auto: the checkpoint's safetensors files; dummy: random weights in their storage formats made on "
+        "the device (the directory needs only config.json and a tokenizer: make-checkpoint --config-only)",
+        choices=("auto", "dummy")))
+    seed: int | None = field(default=None, metadata=flag(
+        "seed of the generator that draws the sampling seed of each request that gives none: the same "
+        "requests in the same order then give the same outputs", default_help="random"))
+    generation_config: str = field(default="auto", metadata=flag(
+        "default sampling parameters of requests that leave them out: auto (the model directory's "
+        "generation_config.json), vllm (none: neutral defaults), or a directory holding a generation_config.json"))
+    expert_capacity_factor: float | None = field(default=None, metadata=flag(
+        "token rows one rank may send another per MoE layer, as a multiple of the mean under uniform "
+        "routing; rows beyond it take a second, slower exchange (counted, never dropped)",
+        default_help="the worst case: no second exchange ever"))
+    engram_storage: str | None = field(default=None, metadata=flag(
+        "where the Engram tables live: gpu, or host (pinned memory, rows gathered by the GPU)",
+        choices=("gpu", "host"), default_help="gpu when every weight fits in 80% of free GPU memory, else host"))
+    enforce_eager: bool = field(default=False, metadata=flag(
+        "never capture CUDA graphs; accepted for vLLM compatibility: the engine captures none yet, so today "
+        "every step runs eagerly either way"))
 
     @property
     def resolved_batch_invariant(self) -> bool:
@@ -46,59 +102,109 @@ class EngineConfig:
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if not self.step_timeout > 0:
             raise ValueError("--step-timeout must be > 0")
-        for name in ("dp_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_seqs_per_request"):
+        for name in ("dp_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_seqs_per_request",
+                     "cpu_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("--max-model-len must be >= 2")
+        if self.max_queued_requests < 0:
+            raise ValueError("--max-queued-requests must be >= 0")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError("--num-blocks must be >= 2 (block 0 is padding)")
         if self.num_state_slots is not None and self.num_state_slots < 1:
             raise ValueError("--num-state-slots must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+        if not self.cpu_kv_cache_gb > 0:
+            raise ValueError("--cpu-kv-cache-gb must be > 0")
+        if self.expert_capacity_factor is not None and not self.expert_capacity_factor > 0:
+            raise ValueError("--expert-capacity-factor must be > 0")
+        if self.engram_storage not in (None, "gpu", "host"):
+            raise ValueError(f"--engram-storage must be gpu or host, got {self.engram_storage!r}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError("--seed must be in [0, 2**63)")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine flags shared by ``serve`` and ``generate``."""
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="checkpoint directory (default: the embedded tiny model)")
-    g.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
-    g.add_argument("--dp", dest="dp_size", type=int, default=1, help="data-parallel ranks (worker processes)")
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=128)
-    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks per DP rank (overrides the budget)")
-    g.add_argument("--num-state-slots", type=int, default=None, help="state slots per DP rank")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--cpu-kv-cache-gb", type=float, default=1.0)
-    g.add_argument("--cpu-threads", type=int, default=1, help="intra-op threads per CPU worker")
-    g.add_argument("--no-zos", dest="zos", action="store_false", help="turn off zero-overhead scheduling")
-    bi = g.add_mutually_exclusive_group()
-    bi.add_argument("--batch-invariant", dest="batch_invariant", action="store_true", default=None,
-                    help="every row's result independent of the batch (default on CPU)")
-    bi.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false")
-    g.add_argument("--official-index-handoff", action="store_true",
-                   help="reproduce the reference's index-key hand-off on decode steps (see model/transformer.py)")
-    g.add_argument("--max-queued-requests", type=int, default=1024)
-    g.add_argument("--max-seqs-per-request", type=int, default=256,
-                   help="largest number of sequences (prompts x n) one request may ask for")
-    g.add_argument("--step-timeout", type=float, default=120.0,
-                   help="seconds a step may take before its rank is declared stuck and the server exits")
-    g.add_argument("--kernels", choices=["reference", "triton"], default=None,
-                   help="kernel backend of the FP8/FP4 products (default: triton on cuda, reference on cpu)")
-    g.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
-                   help="dummy: random weights in their storage formats made on the device; the model "
-                        "directory needs only config.json and a tokenizer (make-checkpoint --config-only)")
+    """The engine flags shared by ``serve`` and ``generate``, generated from ``EngineConfig``."""
+    add_dataclass_flags(parser, EngineConfig, "engine")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    from model.checkpoint_maker import default_model_dir
-
-    values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
-    if values.get("model") is None:
-        values["model"] = str(default_model_dir())
+    """The engine configuration of parsed flags, with defaults resolved and checked against the
+    model directory; ``EngineConfigError`` (one line) for anything that cannot run."""
+    values = values_from_args(EngineConfig, args)
+    values["model"] = _model_argument(args)
     if values.get("device") is None:
         import torch
 
         values["device"] = "cuda" if torch.cuda.is_available() else "cpu"
-    return EngineConfig(**{k: v for k, v in values.items() if v is not None or k in ("batch_invariant", "kernels")})
+    try:
+        config = EngineConfig(**values)
+    except ValueError as exc:
+        raise EngineConfigError(str(exc)) from None
+    check_engine_config(config)
+    return config
+
+
+def _model_argument(args: argparse.Namespace) -> str:
+    """``serve MODEL`` or ``--model MODEL`` (not two different ones), else the embedded tiny model."""
+    positional, flagged = getattr(args, "model_tag", None), getattr(args, "model", None)
+    if positional and flagged and positional != flagged:
+        raise EngineConfigError(f"two models given: {positional!r} and --model {flagged!r}")
+    model = positional or flagged
+    if model:
+        return model
+    from model.checkpoint_maker import default_model_dir
+
+    return str(default_model_dir())
+
+
+def check_engine_config(config: EngineConfig):
+    """Check what needs the model directory or the machine; returns the model's ``V41Config``."""
+    from model.config import ConfigError, V41Config
+
+    path = Path(config.model)
+    if not path.exists():
+        raise EngineConfigError(f"model directory {config.model} does not exist")
+    if not path.is_dir():
+        raise EngineConfigError(f"model path {config.model} is not a directory")
+    try:
+        cfg = V41Config.from_pretrained(path)
+    except ConfigError as exc:
+        raise EngineConfigError(str(exc)) from None
+    if config.load_format == "auto" and not any(path.glob("*.safetensors")):
+        raise EngineConfigError(f"no weights in {config.model} (no *.safetensors file); --load-format dummy "
+                                "makes random weights from config.json alone")
+    limit = cfg.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > limit:
+        raise EngineConfigError(f"--max-model-len {config.max_model_len} is larger than the model's limit of "
+                                f"{limit} tokens (max_position_embeddings in config.json)")
+    if config.num_blocks is not None and config.max_model_len is not None:
+        kv_tokens = (config.num_blocks - 1) * config.block_size
+        if kv_tokens < config.max_model_len:
+            raise EngineConfigError(f"--num-blocks {config.num_blocks} holds {kv_tokens} tokens per rank, fewer "
+                                    f"than --max-model-len {config.max_model_len}")
+    if config.generation_config not in ("auto", "vllm") and not (Path(config.generation_config) /
+                                                                  "generation_config.json").is_file():
+        raise EngineConfigError(f"--generation-config {config.generation_config}: no generation_config.json there")
+    if cfg.num_routed_experts % config.dp_size:
+        raise EngineConfigError(f"--data-parallel-size {config.dp_size} does not divide the model's "
+                                f"{cfg.num_routed_experts} routed experts (each rank holds an equal share)")
+    _check_device(config)
+    return cfg
+
+
+def _check_device(config: EngineConfig) -> None:
+    if config.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise EngineConfigError("--device cuda, but no CUDA device is available")
+        if config.dp_size > torch.cuda.device_count():
+            raise EngineConfigError(f"--data-parallel-size {config.dp_size} needs {config.dp_size} GPUs; "
+                                    f"{torch.cuda.device_count()} visible")
+    elif config.resolved_kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise EngineConfigError("--kernels triton needs --device cuda (or TRITON_INTERPRET=1 to run the kernels "
+                                "in Triton's interpreter)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
+import random
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,13 @@ class EngineCore:
             max_model_len=info.max_model_len, eos_token_id=info.eos_token_id, dp_size=config.dp_size))
         self.vocab_size = info.vocab_size
         self.max_model_len = self.scheduler.max_len  # the model's limit, or less if the KV cache is smaller
+        if self.max_model_len < info.max_model_len:
+            log.warning("the KV cache holds %d tokens per rank, fewer than max_model_len %d: sequences are limited "
+                        "to %d tokens (raise --gpu-memory-utilization, --cpu-kv-cache-gb or --num-blocks, or set "
+                        "--max-model-len)", (info.num_blocks - 1) * config.block_size, info.max_model_len,
+                        self.max_model_len)
+        # --seed: requests without a seed get theirs from this generator, so a replay is reproducible
+        self._seeds = random.Random(config.seed) if config.seed is not None else None
         self._seq_ids = itertools.count()
         self._in_flight: InFlight | None = None
         self._compiling: dict[str, tuple[Sequence, concurrent.futures.Future]] = {}  # by request id
@@ -60,7 +68,10 @@ class EngineCore:
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         params = request.params
-        seed = params.seed if params.seed is not None else random_seed()
+        if params.seed is not None:
+            seed = params.seed
+        else:
+            seed = self._seeds.getrandbits(63) if self._seeds is not None else random_seed()
         seq = Sequence(next(self._seq_ids), request.request_id, list(ids), params, seed,
                        arrival_time=request.arrival_time or time.time())
         if params.structured is None:

@@ -120,6 +120,8 @@ class MultiprocExecutor(Executor):
             if time.monotonic() > deadline:
                 raise TimeoutError("workers did not answer the broadcast ping")
         first = next(iter(ready.values()))
+        self.devices = [ready[rank].device_name for rank in sorted(ready)]  # for the startup summary
+        self.kv_cache_dtype = first.kv_cache_dtype
         info = WorkerInfo(
             num_blocks=min(r.num_blocks for r in ready.values()),
             num_slots=min(r.num_slots for r in ready.values()),

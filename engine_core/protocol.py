@@ -133,7 +133,14 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str = ""  # the engine rejected the request (finish_reason "abort"): why
 
 
+# upper bounds of the tokens-per-step histogram (vLLM's vllm:iteration_tokens_total buckets); a
+# step above the last one counts in the +Inf bucket
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 class SchedulerStats(msgspec.Struct, array_like=True):
+    """The engine's gauges (summed over DP ranks) and cumulative counters since it started."""
+
     running: int = 0
     waiting: int = 0
     kv_blocks_used: int = 0
@@ -141,6 +148,32 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     state_slots_used: int = 0
     state_slots_total: int = 0
     preemptions: int = 0
+    # steps by tokens scheduled (all ranks): count per ITERATION_TOKEN_BUCKETS bound, then the
+    # +Inf bucket (not cumulative), and the tokens of all steps
+    step_token_counts: list[int] = []
+    step_tokens_sum: int = 0
+
+
+class EngineSummary(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What the engine reports once it is ready, for the startup summary."""
+
+    devices: list[str]  # one per DP rank, e.g. "cuda:0 NVIDIA H200 (139.8 GiB)" or "cpu (1 thread)"
+    weight_formats: str  # e.g. "fp8 e4m3 dense + fp4 e2m1 experts (UE8M0 block scales)"
+    kv_cache_dtype: str
+    kernels: str
+    batch_invariant: bool
+    zos: bool
+    enforce_eager: bool
+    dp_size: int
+    num_routed_experts: int
+    block_size: int
+    kv_blocks_per_rank: int  # usable blocks (the padding block not counted)
+    state_slots_per_rank: int
+    max_num_seqs: int  # per rank
+    max_model_len: int  # the effective limit (the model's, --max-model-len, or what the KV cache holds)
+    model_max_len: int  # the model's max_position_embeddings
+    kv_cache_bytes_per_rank: int = 0
+    state_bytes_per_rank: int = 0
 
 
 class EngineOutputs(msgspec.Struct, array_like=True):
@@ -162,6 +195,7 @@ class UtilityResponse(msgspec.Struct, array_like=True):
     max_model_len: int = 0
     vocab_size: int = 0
     eos_token_id: int | None = None
+    summary: EngineSummary | None = None  # with "ready": for the startup summary
 
 
 # ----------------------------------------------------------------------------- core <-> workers
@@ -231,6 +265,9 @@ class WorkerControl(msgspec.Struct, array_like=True):
     error: str = ""
     # with "grammar": a structured-output spec to compile ahead of the steps that will need it
     grammar: StructuredOutput | None = None
+    # with "ready", for the startup summary: the worker's device and the dtype of its caches
+    device_name: str = ""
+    kv_cache_dtype: str = ""
 
 
 # ----------------------------------------------------------------------------- encoding helpers

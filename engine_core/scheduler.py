@@ -16,12 +16,14 @@ bumped, and it waits at the front of the queue to be recomputed from its known t
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from .block_pool import RefCountedPool
-from .protocol import RankBatch, RequestOutput, SchedulerStats, SequenceStep, StepPlan, StepResult
+from .protocol import (ITERATION_TOKEN_BUCKETS, RankBatch, RequestOutput, SchedulerStats, SequenceStep, StepPlan,
+                       StepResult)
 from .sequence import Sequence, SequenceStatus
 
 
@@ -59,6 +61,9 @@ class Scheduler:
         self.by_request: dict[str, Sequence] = {}
         self.next_step_id = 0
         self.num_preemptions = 0
+        # planned steps by their number of tokens (ITERATION_TOKEN_BUCKETS, then +Inf), for the metrics
+        self.step_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self.step_tokens_sum = 0
         # row of each sampling sequence in the last planned step, per rank: the prev_row of its
         # next decode input while that step's result is still on the device
         self._last_rows: dict[int, int] = {}
@@ -97,7 +102,8 @@ class Scheduler:
             kv_blocks_total=sum(r.blocks.capacity for r in self.ranks),
             state_slots_used=sum(r.slots.num_used for r in self.ranks),
             state_slots_total=sum(r.slots.capacity for r in self.ranks),
-            preemptions=self.num_preemptions)
+            preemptions=self.num_preemptions, step_token_counts=list(self.step_token_counts),
+            step_tokens_sum=self.step_tokens_sum)
 
     # ------------------------------------------------------------------ planning
     def schedule(self) -> StepPlan | None:
@@ -107,6 +113,9 @@ class Scheduler:
             self._schedule_decode(rows)
         if not any(rows):
             return None
+        tokens = sum(len(step.token_ids) for rank_rows in rows for step in rank_rows)
+        self.step_token_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
+        self.step_tokens_sum += tokens
         self._last_rows = {step.seq_id: i for rank_rows in rows for i, step in enumerate(rank_rows) if step.sample}
         plan = StepPlan(self.next_step_id, is_prefill, [RankBatch(r) for r in rows], self._released)
         self._released = []

@@ -37,8 +37,11 @@ async def json_body(raw: Request) -> bytes:
     return await raw.body()
 
 
-def build_router(ctx: ServingContext, created: int) -> APIRouter:
+def build_router(ctx: ServingContext, created: int, model_names: tuple[str, ...] = ()) -> APIRouter:
+    """``model_names``: every name /v1/models lists (``--served-model-name`` with several; default the
+    context's one)."""
     router = APIRouter()
+    names = model_names or (ctx.model_name,)
     probe = HealthProbe(ctx.engine)
 
     @router.post("/v1/completions")
@@ -51,7 +54,7 @@ def build_router(ctx: ServingContext, created: int) -> APIRouter:
 
     @router.get("/v1/models")
     async def models() -> Response:
-        return _json(ModelList([ModelCard(ctx.model_name, created, ctx.max_model_len, root=ctx.model_name)]))
+        return _json(ModelList([ModelCard(name, created, ctx.max_model_len, root=names[0]) for name in names]))
 
     @router.post("/tokenize")
     async def tokenize(raw: Request) -> Response:

@@ -17,6 +17,7 @@ one state slot per running request), so tests can check that they return to zero
 from __future__ import annotations
 
 import asyncio
+import bisect
 import math
 import time
 import zlib
@@ -26,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine_core.protocol import RequestOutput, SamplingParams, SchedulerStats, TokenLogprob
+from engine_core.protocol import ITERATION_TOKEN_BUCKETS, RequestOutput, SamplingParams, SchedulerStats, TokenLogprob
 
 from .engine_client import EngineClientBase, EngineDeadError, EngineInfo, QueueFullError
 from .tokenizer import Tokenizer
@@ -86,6 +87,9 @@ class FakeEngineClient(EngineClientBase):
         self.num_aborted = 0
         self.aborted_ids: list[str] = []
         self.received: dict[str, tuple[list[int], SamplingParams]] = {}  # request id -> what arrived
+        # steps by tokens (a request's first step counts its prompt, later ones one token), as a real engine reports
+        self.step_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self.step_tokens_sum = 0
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -207,7 +211,8 @@ class FakeEngineClient(EngineClientBase):
         blocks = sum(math.ceil((len(r.prompt_ids) + len(r.output_ids)) / self.block_size) for r in self._running)
         return SchedulerStats(running=len(self._running), waiting=len(self._waiting), kv_blocks_used=blocks,
                               kv_blocks_total=self.num_blocks, state_slots_used=len(self._running),
-                              state_slots_total=self.max_num_seqs)
+                              state_slots_total=self.max_num_seqs, step_token_counts=list(self.step_token_counts),
+                              step_tokens_sum=self.step_tokens_sum)
 
     # ------------------------------------------------------------------ the "model"
     async def _step_loop(self) -> None:
@@ -222,12 +227,17 @@ class FakeEngineClient(EngineClientBase):
                 request.next_token_at = now + self.ttft_s
                 self._running.append(request)
             next_due = math.inf
+            step_tokens = 0
             for request in list(self._running):
                 if request.next_token_at <= now:
+                    step_tokens += 1 if request.output_ids else len(request.prompt_ids)
                     self._step(request)
                     request.next_token_at = now + self.per_token_s
                 if request.request_id in self._live:
                     next_due = min(next_due, request.next_token_at)
+            if step_tokens:
+                self.step_token_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, step_tokens)] += 1
+                self.step_tokens_sum += step_tokens
             if self._waiting and len(self._running) < self.max_num_seqs:
                 next_due = now  # a finished request freed a slot: schedule the waiting ones at once
             delay = next_due - time.monotonic()
@@ -350,8 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m frontend.fake_engine``: the real server with graceful drain on a fake engine,
     for trying the frontend (and testing shutdown) without a model."""
     import argparse
-    import logging
 
+    from engine_core.log_setup import configure_logging
     from model.checkpoint_maker import default_model_dir
 
     from .server import build_app, run_app
@@ -362,12 +372,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-token-s", type=float, default=0.01)
     parser.add_argument("--shutdown-timeout", type=float, default=30.0)
     parser.add_argument("--max-queued-requests", type=int, default=1024)
+    parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
+    configure_logging(args.log_level, "frontend")
     tokenizer = Tokenizer(default_model_dir())
     engine = fake_engine_for(tokenizer, per_token_s=args.per_token_s)
-    app = build_app(engine, tokenizer, "fake-model", None, [], args.max_queued_requests)
-    server = run_app(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout, log_level="warning")
+    app = build_app(engine, tokenizer, "fake-model", None, [], args.max_queued_requests, log_requests=True)
+    server = run_app(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout)
     return 1 if server.forced else 0
 
 

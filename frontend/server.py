@@ -8,7 +8,9 @@ once draining) and the body limit (413, counted while the body is read). They ar
 callables, not ``BaseHTTPMiddleware``, which would buffer streams and hide client disconnects
 from the handlers.
 
-``run_app`` serves with graceful drain: the first SIGTERM/SIGINT stops admission (new requests
+``run_server`` (``serve``) starts the engine before it opens the port, so a failure to start is one
+line and exit code 1, and logs the startup summary once it listens. ``run_app`` serves with
+graceful drain: the first SIGTERM/SIGINT stops admission (new requests
 get 503 with Retry-After, /health says "draining") while the listener stays open; requests in
 flight get up to ``shutdown_timeout`` seconds to finish, then end with an error; then uvicorn
 shuts down (the engine with it) and the process exits 0. A second signal forces the exit.
@@ -27,26 +29,30 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 import msgspec
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine_core.config import EngineConfig
+
 from .admission import Admission
 from .api import build_router
-from .engine_client import EngineClientBase
+from .engine_client import EngineClientBase, EngineDeadError
 from .errors import APIError, error_body, install_error_handlers, shutting_down
+from .generation_config import load_sampling_defaults
+from .metrics import DEFAULT_PREFIX, FrontendMetrics
+from .server_config import API_KEY_ENV, ServerConfig
 from .serving import ServingContext
+from .stats_logger import StatsLogger
 from .tokenizer import Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # load balancers and Prometheus carry no key
-API_KEY_ENV = "MINI_DEEPINFER_API_KEY"  # so the key need not appear in `ps`
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 ENGINE_WATCH_INTERVAL_S = 0.5
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")  # visible ASCII: safe in a header and in engine ids
@@ -160,13 +166,23 @@ async def _watch_engine(app: FastAPI, engine: EngineClientBase) -> None:
 def build_app(engine: EngineClientBase, tokenizer: Tokenizer | None, model_name: str, api_key: str | None,
               allowed_origins: list[str], max_queued_requests: int, *, max_running_seqs: int | None = None,
               max_seqs_per_request: int = 256, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              metrics_require_key: bool = False, sse_keepalive_s: float = 15.0) -> FastAPI:
+              metrics_require_key: bool = False, sse_keepalive_s: float = 15.0,
+              served_model_names: tuple[str, ...] = (), metrics_prefix: str = DEFAULT_PREFIX,
+              vllm_metrics_alias: bool = True, log_requests: bool = False,
+              log_stats_interval: float | None = None) -> FastAPI:
     """The app. ``max_running_seqs``: sequences the engine runs at once (default: the engine's
-    ``max_num_seqs`` when it has one); with ``max_queued_requests`` it sets the admission capacity."""
+    ``max_num_seqs`` when it has one); with ``max_queued_requests`` it sets the admission capacity.
+    ``served_model_names``: every name /v1/models lists (``model_name``, the first, by default).
+    ``log_requests``: a log line per finished request; ``log_stats_interval``: seconds between two
+    stats lines while busy (None: none)."""
     if max_running_seqs is None:
         max_running_seqs = int(getattr(engine, "max_num_seqs", 0))
     admission = Admission(max_running_seqs, max_queued_requests, max_seqs_per_request)
-    ctx = ServingContext(engine, tokenizer, model_name, admission, sse_keepalive_s)
+    metrics = FrontendMetrics(engine, model_name=model_name, prefix=metrics_prefix, vllm_alias=vllm_metrics_alias,
+                              log_requests=log_requests)
+    ctx = ServingContext(engine, tokenizer, model_name, admission, sse_keepalive_s, metrics=metrics)
+    ctx.served_model_names = tuple(served_model_names) or (model_name,)  # every name `model` may give
+    metrics.set_pending_source(lambda: ctx.pending_first_output)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -174,17 +190,20 @@ def build_app(engine: EngineClientBase, tokenizer: Tokenizer | None, model_name:
         hook: Callable[[], None] | None = getattr(app.state, "on_started", None)
         if hook is not None:
             hook()
-        watcher = asyncio.create_task(_watch_engine(app, engine), name="engine-watch")
+        tasks = [asyncio.create_task(_watch_engine(app, engine), name="engine-watch")]
+        if log_stats_interval is not None:
+            tasks.append(asyncio.create_task(StatsLogger(engine, metrics, log_stats_interval).run(), name="stats-log"))
         try:
             yield
         finally:
-            watcher.cancel()
+            for task in tasks:
+                task.cancel()
             await engine.shutdown()
 
     app = FastAPI(title="mini-deepinfer", summary="OpenAI-compatible DeepSeek-V4.1 inference", lifespan=lifespan)
     app.state.serving = ctx
     install_error_handlers(app)
-    app.include_router(build_router(ctx, created=int(time.time())))
+    app.include_router(build_router(ctx, created=int(time.time()), model_names=ctx.served_model_names))
     # add_middleware puts each new one outside the previous ones
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     app.add_middleware(DrainGuard, admission=admission)
@@ -255,58 +274,125 @@ class DrainingServer:
                 await asyncio.sleep(0.02)
         self.server.should_exit = True
 
-    def run(self, sockets=None) -> None:
-        self.server.run(sockets=sockets)
+    def run(self, prepare: Callable[[], Awaitable[bool]] | None = None,
+            on_listening: Callable[[], None] | None = None) -> bool:
+        """Serve until the drain ends. ``prepare`` runs first on the server's event loop (False: do not
+        serve, return False); ``on_listening`` is called once the socket listens."""
+        config = self.server.config
+        factory = getattr(config, "get_loop_factory", None)
+        if factory is None:  # older uvicorn: it installs its loop policy instead
+            config.setup_event_loop()
+        with asyncio.Runner(loop_factory=factory() if factory is not None else None) as runner:
+            return runner.run(self._main(prepare, on_listening))
+
+    async def _main(self, prepare, on_listening) -> bool:
+        if prepare is not None and not await self._interruptible(prepare):
+            return False
+        watcher = asyncio.ensure_future(self._when_listening(on_listening)) if on_listening is not None else None
+        try:
+            await self.server.serve()  # (a port in use: uvicorn logs it and raises SystemExit)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+        return True
+
+    async def _when_listening(self, callback: Callable[[], None]) -> None:
+        while not self.server.started:
+            await asyncio.sleep(0.02)
+        callback()
+
+    @staticmethod
+    async def _interruptible(prepare: Callable[[], Awaitable[bool]]) -> bool:
+        """``prepare()``, cancelled by SIGINT/SIGTERM (uvicorn's handlers are not installed yet, and the
+        event loop's own Ctrl-C handling does not reach a uvloop loop); False if interrupted."""
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(prepare())
+        signals = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
+        for sig in signals:
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if not task.cancelled():
+                raise
+            log.warning("interrupted before the server started")
+            return False
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
 
 
-def run_app(app: FastAPI, host: str, port: int, *, shutdown_timeout: float = 30.0, log_level: str = "info",
-            loop: str = "uvloop") -> DrainingServer:
-    """Serve ``app`` until SIGTERM/SIGINT and a graceful drain; returns the (stopped) server."""
+def run_app(app: FastAPI, host: str, port: int, *, shutdown_timeout: float = 30.0, access_log: bool = True,
+            loop: str = "uvloop", prepare: Callable[[], Awaitable[bool]] | None = None,
+            on_listening: Callable[[], None] | None = None) -> DrainingServer:
+    """Serve ``app`` until SIGTERM/SIGINT and a graceful drain; returns the (stopped) server.
+    uvicorn's loggers keep no handlers of their own: their lines take the process's log format."""
     import uvicorn
 
-    config = uvicorn.Config(app, host=host, port=port, loop=loop, log_level=log_level, timeout_graceful_shutdown=3)
+    config = uvicorn.Config(app, host=host, port=port, loop=loop, log_config=None, log_level=None,
+                            access_log=access_log, timeout_graceful_shutdown=3)
     server = DrainingServer(config, app.state.serving.admission, shutdown_timeout)
     app.state.server = server.server
-    server.run()
+    server.run(prepare, on_listening)
     return server
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """Serve until SIGINT/SIGTERM and a drain (exit 0), or until the engine dies or fails to start,
-    or a second signal forces the exit (exit 1)."""
-    from engine_core.config import engine_config_from_args
-
+def run_server(server_config: ServerConfig, engine_config: EngineConfig, log_level: str = "INFO") -> int:
+    """Start the engine, then serve until SIGINT/SIGTERM and a drain (exit 0); exit 1 if the engine
+    fails to start or dies, or a second signal forces the exit."""
+    from .startup_summary import summary_lines
     from .zmq_engine_client import ZmqEngineClient
 
-    config = engine_config_from_args(args)
     try:
-        tokenizer: Tokenizer | None = Tokenizer(config.model)
+        tokenizer: Tokenizer | None = Tokenizer(engine_config.model)
     except TokenizerError as exc:
         log.warning("no tokenizer (%s): only token-id prompts will work", exc)
         tokenizer = None
-    model_name = args.served_model_name or Path(config.model).resolve().name
-    origins = [o.strip() for o in (args.allowed_origins or "").split(",") if o.strip()]
-    app = build_app(ZmqEngineClient(config), tokenizer, model_name, resolve_api_key(args), origins,
-                    config.max_queued_requests, max_running_seqs=config.max_num_seqs * config.dp_size,
-                    max_seqs_per_request=config.max_seqs_per_request,
-                    max_request_bytes=getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES),
-                    metrics_require_key=getattr(args, "metrics_require_key", False))
-    log_level = str(getattr(args, "log_level", "info")).lower()
-    engine_died = False
+    names = server_config.model_names(engine_config.model)
+    engine = ZmqEngineClient(engine_config, log_level=log_level)
+    c = server_config
+    app = build_app(engine, tokenizer, names[0], c.resolved_api_key, c.origins, engine_config.max_queued_requests,
+                    max_running_seqs=engine_config.max_num_seqs * engine_config.dp_size,
+                    max_seqs_per_request=engine_config.max_seqs_per_request, max_request_bytes=c.max_request_bytes,
+                    metrics_require_key=c.metrics_require_key, served_model_names=names,
+                    metrics_prefix=c.metrics_prefix, vllm_metrics_alias=c.vllm_metrics_alias,
+                    log_requests=not c.disable_log_requests,
+                    log_stats_interval=None if c.disable_log_stats else c.log_stats_interval)
+    # --generation-config: the defaults of the sampling knobs a request leaves out (ValueError: exit 2)
+    app.state.serving.sampling_defaults = load_sampling_defaults(engine_config.model, engine_config.generation_config)
+    engine_died = engine_ready = False
 
     def on_engine_dead() -> None:
         nonlocal engine_died
         engine_died = True
         app.state.server.should_exit = True
 
-    host = f"[{args.host}]" if ":" in args.host else args.host
+    async def start_engine() -> bool:
+        """The engine first, so that a failure is one line and the port opens only when it can serve."""
+        nonlocal engine_ready
+        try:
+            await engine.start()
+        except EngineDeadError as exc:
+            log.error("%s", exc)
+            await engine.shutdown()
+            return False
+        except asyncio.CancelledError:  # Ctrl-C while the model loads
+            await engine.shutdown()
+            raise
+        engine_ready = True
+        return True
+
+    def on_listening() -> None:
+        host = f"[{c.host}]" if ":" in c.host else c.host
+        for line in summary_lines(engine_config.model, names, engine.summary, f"http://{host}:{c.port}"):
+            log.info("%s", line)
+
     app.state.on_engine_dead = on_engine_dead
-    app.state.on_started = lambda: log.info("serving %r (max_model_len %d) at http://%s:%d/v1", model_name,
-                                            app.state.serving.max_model_len, host, args.port)
-    server = run_app(app, args.host, args.port, shutdown_timeout=getattr(args, "shutdown_timeout", 30.0),
-                     log_level=log_level)
+    server = run_app(app, c.host, c.port, shutdown_timeout=c.shutdown_timeout,
+                     access_log=not c.disable_uvicorn_access_log, prepare=start_engine, on_listening=on_listening)
     if not server.server.started:
-        log.error("the server did not start (see the errors above)")
+        if engine_ready:  # (an engine that failed to start, or a signal, has said why already)
+            log.error("the server did not start (see the errors above)")
         return 1
     if engine_died:
         log.error("exiting because the engine died")

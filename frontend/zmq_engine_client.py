@@ -30,8 +30,8 @@ import zmq.asyncio
 from engine_core.config import EngineConfig
 from engine_core.engine_process import engine_main
 from engine_core.ipc import DropLog, Endpoints, asend, parse
-from engine_core.protocol import (AbortRequests, AddRequest, EngineOutputs, MessageType, RequestOutput,
-                                  SamplingParams, SchedulerStats, UtilityRequest, UtilityResponse)
+from engine_core.protocol import (AbortRequests, AddRequest, EngineOutputs, EngineSummary, MessageType,
+                                  RequestOutput, SamplingParams, SchedulerStats, UtilityRequest, UtilityResponse)
 
 from .engine_client import EngineClientBase, EngineDeadError, EngineInfo
 
@@ -50,7 +50,8 @@ def _consume(future: asyncio.Future) -> None:
 
 class ZmqEngineClient(EngineClientBase):
     def __init__(self, config: EngineConfig, log_level: str = "INFO", endpoints: Endpoints | None = None):
-        """``endpoints``: default, a private ``ipc://`` directory; ``Endpoints.tcp()`` for CURVE over TCP."""
+        """``log_level``: the engine core's and the workers' (``--log-level``); ``endpoints``: default, a
+        private ``ipc://`` directory; ``Endpoints.tcp()`` for CURVE over TCP."""
         self.config, self.log_level = config, log_level
         self.endpoints = endpoints or Endpoints.local()
         atexit.register(self.endpoints.cleanup)
@@ -63,9 +64,14 @@ class ZmqEngineClient(EngineClientBase):
         self._dead_reason: str | None = None
         self._tasks: list[asyncio.Task] = []
         self.process: multiprocessing.Process | None = None
+        self.summary: EngineSummary | None = None  # what the engine reported when ready
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
+        """Start the engine core and wait until it is ready; a second call returns at once (the
+        server starts the engine before it listens, the app's lifespan calls this again)."""
+        if self.process is not None:
+            return
         self.requests = self.endpoints.socket(self.context, zmq.PUSH, self.endpoints.requests, bind=True)
         self.outputs = self.endpoints.socket(self.context, zmq.PULL, self.endpoints.outputs, bind=True)
         ctx = multiprocessing.get_context("spawn")
@@ -75,6 +81,7 @@ class ZmqEngineClient(EngineClientBase):
         self.process.start()
         ready = await self._wait_ready()
         self.info = EngineInfo(ready.max_model_len, ready.vocab_size, ready.eos_token_id)
+        self.summary = ready.summary
         if ready.stats is not None:
             self._stats = ready.stats
         self._tasks = [asyncio.create_task(self._read_outputs(), name="engine-outputs"),

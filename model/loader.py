@@ -24,6 +24,7 @@ from .attention import Attention, AttentionWeights
 from .compressor import Compressor
 from .config import V41Config, WeightFormat
 from .engram import Engram, NgramHasher
+from .engram_storage import place_engram_tables
 from .engram_token_map import build_compressed_token_map, load_token_map
 from .indexer import Indexer
 from .kernels import ExpertWeights, KernelBackend, QuantizedWeight, make_backend, stack_quantized
@@ -141,6 +142,7 @@ class _Builder:
         self.expert_range = expert_range  # the routed experts this rank holds
         self.bi = options.batch_invariant
         self.kernels = kernels
+        self.engram_storage = "gpu"  # or "host" (engram_storage.py), decided before the first block
 
     def t(self, name: str) -> torch.Tensor:
         # A fresh allocation: tensors read straight from the file can sit at any byte offset, and
@@ -214,7 +216,7 @@ class _Builder:
             table = self.t(e + "embed.weight")
             table_scale = self.t(e + "embed.scale") if table.dtype == torch.float8_e4m3fn else None
             engram = Engram(table, table_scale, self.linear(e + "wkv"), self.t(e + "q_weight"), self.t(e + "k_weight"),
-                            cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps)
+                            cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps, storage=self.engram_storage)
 
         def hc(sub: str) -> HyperConnection:
             return HyperConnection(self.t(f"{p}hc_{sub}_fn").float(), self.t(f"{p}hc_{sub}_base").float(),
@@ -226,11 +228,13 @@ class _Builder:
 
 
 def load_model(path: str | Path, options: ModelOptions | None = None, device: str | torch.device = "cpu",
-               expert_range: range | None = None, load_format: str = "auto") -> V41Model:
+               expert_range: range | None = None, load_format: str = "auto",
+               engram_storage: str | None = None) -> V41Model:
     """Load a checkpoint directory. ``expert_range``: the routed experts this rank holds (all by default).
 
     ``load_format="dummy"``: random weights in their storage formats, made on ``device``; the
-    directory needs only ``config.json`` and a tokenizer (Engram tables may be shrunk: logged)."""
+    directory needs only ``config.json`` and a tokenizer (Engram tables may be shrunk: logged).
+    ``engram_storage``: ``gpu``, ``host`` or None (decided from the free memory; ``engram_storage.py``)."""
     path = Path(path)
     options = options or ModelOptions()
     cfg = V41Config.from_pretrained(path)
@@ -247,11 +251,13 @@ def load_model(path: str | Path, options: ModelOptions | None = None, device: st
     validate_checkpoint(cfg, reader)
     kernels = make_backend(options.kernels, options.batch_invariant)
     builder = _Builder(cfg, reader, options, expert_range or range(cfg.num_routed_experts), kernels)
+    builder.engram_storage = place_engram_tables(cfg, engram_storage, device,
+                                                 checkpoint_bytes(cfg, builder.expert_range)).storage
     hasher = None
     if cfg.engram_layer_ids:
         lookup, size, pad = load_engram_token_map(path, cfg)
         hasher = NgramHasher.build(cfg, lookup, size, pad).to(device)
-    blocks = [builder.block(layer, device) for layer in range(cfg.num_layers)]
+    blocks = [builder.block(layer, device) for layer in _progress(range(cfg.num_layers), "loading weights", "layer")]
     model = V41Model(cfg, options, builder.t("embed.weight").to(device), blocks,
                      builder.t("norm.weight").to(device), builder.t("head.weight").to(device), hasher, kernels)
     held, stored = held_weight_bytes(model), checkpoint_bytes(cfg, builder.expert_range)
@@ -259,6 +265,25 @@ def load_model(path: str | Path, options: ModelOptions | None = None, device: st
              "bf16 weights the reference multiplies in fp32, rope tables); kernels: %s", held / 2**30, device,
              stored / 2**30, 100.0 * (held - stored) / stored, kernels.name)
     return model
+
+
+def _progress(items, description: str, unit: str):
+    """A tqdm bar on stderr: only on a terminal, only while INFO is logged, and only on the first rank
+    (several workers' bars on one terminal would overwrite each other)."""
+    import sys
+
+    import torch.distributed as dist
+
+    if (not sys.stderr.isatty() or not log.isEnabledFor(logging.INFO)
+            or (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)):
+        return items  # (not even a disabled bar: tqdm would make a process-shared lock for nothing)
+    import threading
+
+    from tqdm import tqdm
+
+    if not hasattr(tqdm, "_lock"):  # a thread lock: tqdm's default, a multiprocessing one, leaks at worker exit
+        tqdm.set_lock(threading.RLock())
+    return tqdm(items, desc=description, unit=unit, leave=False)
 
 
 _DTYPE_BYTES = {"BF16": 2, "F32": 4, "F16": 2, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1}
@@ -290,6 +315,10 @@ def held_weight_bytes(model: V41Model) -> int:
         elif isinstance(obj, QuantizedWeight):
             visit(obj.values)
             visit(obj.scales)
+        elif isinstance(obj, Engram) and obj.host_mapped:  # its tables take no device memory
+            for name, value in vars(obj).items():
+                if name not in ("table", "table_scale"):
+                    visit(value)
         elif isinstance(obj, (list, tuple)):
             for item in obj:
                 visit(item)

@@ -366,11 +366,13 @@ def run_parity(golden_dir: str | Path, batch_invariant: bool = False, dump_path:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--golden", required=True, help="golden set directory (cases.json, cases.safetensors, checkpoint/)")
-    parser.add_argument("--dump", help="write the computed logits to this safetensors file, under the golden keys")
+    parser.add_argument("--dump", metavar="FILE",
+                        help="write the computed logits to this safetensors file, under the golden keys")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="compute every GEMM row on its own (the engine's CPU mode) instead of as the reference does")
     parser.add_argument("--skip-components", action="store_true", help="only the end-to-end cases")
-    parser.add_argument("--device", default="cpu", help="cpu (the reference's arithmetic) or cuda")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cpu (the reference's arithmetic) or cuda")
     parser.add_argument("--kernels", choices=("reference", "triton"), default="reference",
                         help="kernel backend of the quantized products (triton needs --device cuda)")
 

@@ -13,27 +13,38 @@ from frontend.fake_engine import serve_fake
 
 LONG = {"prompt": "Tell me a long story", "max_tokens": 3000}  # ~6 s of fake generation: never finishes here
 METRIC_NAMES = [
-    "minideepinfer_requests_running", "minideepinfer_requests_waiting", "minideepinfer_kv_blocks_used",
-    "minideepinfer_kv_blocks_total", "minideepinfer_state_slots_used", "minideepinfer_state_slots_total",
-    "minideepinfer_time_to_first_token_seconds_bucket", "minideepinfer_inter_token_latency_seconds_bucket",
-    "minideepinfer_e2e_request_latency_seconds_bucket", "minideepinfer_request_queue_time_seconds_bucket",
-    "minideepinfer_requests_finished_total", "minideepinfer_prompt_tokens_total",
-    "minideepinfer_generation_tokens_total", "minideepinfer_requests_aborted_total",
-    "minideepinfer_requests_rejected_total",
+    "minideepinfer:num_requests_running", "minideepinfer:num_requests_waiting", "minideepinfer:kv_blocks_used",
+    "minideepinfer:kv_blocks_total", "minideepinfer:state_slots_used", "minideepinfer:state_slots_total",
+    "minideepinfer:kv_cache_usage_perc", "minideepinfer:num_preemptions_total",
+    "minideepinfer:iteration_tokens_total_bucket", "minideepinfer:time_to_first_token_seconds_bucket",
+    "minideepinfer:inter_token_latency_seconds_bucket", "minideepinfer:e2e_request_latency_seconds_bucket",
+    "minideepinfer:request_queue_time_seconds_bucket", "minideepinfer:request_success_total",
+    "minideepinfer:prompt_tokens_total", "minideepinfer:generation_tokens_total",
+    "minideepinfer:requests_aborted_total", "minideepinfer:requests_rejected_total",
+    # the vLLM names of the same metrics (--vllm-metrics-alias, on by default)
+    "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds_bucket",
+    "vllm:time_per_output_token_seconds_bucket", "vllm:request_success_total",
 ]
 
 
 FAKE_ENGINE = {"per_token_s": 0.002, "ttft_s": 0.01}
+MODEL = "fake-model"
 
 
 def scrape(url: str) -> dict[str, float]:
-    """``name{labels}`` -> value, from the Prometheus text format."""
+    """``name`` (or ``name{label="value"}`` for labels other than model_name and engine) -> value,
+    from the Prometheus text format; every series must carry the model_name label."""
     text = httpx.get(url + "/metrics").text
     samples = {}
     for line in text.splitlines():
-        match = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)$", line)
+        match = re.match(r"^([a-zA-Z_:][\w:]*)\{([^}]*)\} (\S+)$", line)
         if match:
-            samples[match.group(1)] = float(match.group(2))
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
+            assert labels.pop("model_name") == MODEL and labels.pop("engine") == "0", line
+            extra = ",".join(f'{k}="{v}"' for k, v in labels.items() if k != "le")
+            if "le" in labels:
+                continue  # histogram buckets: the tests read _count and _sum
+            samples[match.group(1) + (f"{{{extra}}}" if extra else "")] = float(match.group(3))
     return samples
 
 
@@ -47,8 +58,8 @@ def wait_for(condition, timeout: float = 5.0, what: str = "condition") -> None:
 
 def engine_idle(url: str) -> bool:
     m = scrape(url)
-    return all(m[f"minideepinfer_{name}"] == 0 for name in
-               ("requests_running", "requests_waiting", "kv_blocks_used", "state_slots_used",
+    return all(m[f"minideepinfer:{name}"] == 0 for name in
+               ("num_requests_running", "num_requests_waiting", "kv_blocks_used", "state_slots_used",
                 "frontend_requests_pending"))
 
 
@@ -60,21 +71,27 @@ def test_metrics_names_and_counts(served):
     for name in METRIC_NAMES:
         assert name in text, name
     m = scrape(server.url)
-    assert m['minideepinfer_requests_finished_total{finish_reason="length"}'] >= 1
-    assert m["minideepinfer_generation_tokens_total"] >= 5 and m["minideepinfer_prompt_tokens_total"] >= 3
-    assert m["minideepinfer_time_to_first_token_seconds_count"] >= 1
-    assert m["minideepinfer_inter_token_latency_seconds_count"] >= 4
-    assert m["minideepinfer_request_queue_time_seconds_count"] >= 1
-    assert m["minideepinfer_kv_blocks_total"] > 0 and m["minideepinfer_state_slots_total"] > 0
+    assert m['minideepinfer:request_success_total{finished_reason="length"}'] >= 1
+    assert m["minideepinfer:generation_tokens_total"] >= 5 and m["minideepinfer:prompt_tokens_total"] >= 3
+    assert m["minideepinfer:time_to_first_token_seconds_count"] >= 1
+    assert m["minideepinfer:inter_token_latency_seconds_count"] >= 4
+    assert m["minideepinfer:request_queue_time_seconds_count"] >= 1
+    assert m["minideepinfer:request_generation_tokens_count"] >= 1 and m["minideepinfer:request_generation_tokens_sum"] >= 5
+    assert m["minideepinfer:iteration_tokens_total_count"] >= 5  # the prefill step and the 4 after it
+    assert m["minideepinfer:kv_blocks_total"] > 0 and m["minideepinfer:state_slots_total"] > 0
+    for name, value in m.items():  # the vLLM names carry the same values
+        if name.startswith("minideepinfer:") and f"vllm:{name.split(':', 1)[1]}" in m:
+            assert m[f"vllm:{name.split(':', 1)[1]}"] == value or "_created" in name, name
+    assert m["vllm:time_per_output_token_seconds_count"] == m["vllm:inter_token_latency_seconds_count"]
 
 
 def _running(url: str) -> bool:
-    return scrape(url)["minideepinfer_requests_running"] >= 1
+    return scrape(url)["minideepinfer:num_requests_running"] >= 1
 
 
 def test_streaming_disconnect_aborts(served):
     server, engine = served
-    aborted = scrape(server.url)["minideepinfer_requests_aborted_total"]
+    aborted = scrape(server.url)["minideepinfer:requests_aborted_total"]
     with httpx.Client() as client:
         with client.stream("POST", server.url + "/v1/completions", json={**LONG, "stream": True},
                            headers={"X-Request-Id": "gone-streaming"}) as response:
@@ -86,7 +103,7 @@ def test_streaming_disconnect_aborts(served):
         # leaving the block closes the connection mid-stream
     wait_for(lambda: engine_idle(server.url), what="the engine to drop the request")
     assert any(rid.startswith("gone-streaming-") for rid in engine.aborted_ids)
-    assert scrape(server.url)["minideepinfer_requests_aborted_total"] == aborted + 1
+    assert scrape(server.url)["minideepinfer:requests_aborted_total"] == aborted + 1
 
 
 @pytest.mark.parametrize("n", [1, 3])
@@ -120,13 +137,13 @@ def test_frontend_backpressure_503(tokenizer):
         thread = threading.Thread(target=lambda: first.append(
             httpx.post(server.url + "/v1/completions", json={"prompt": "first", "max_tokens": 1})))
         thread.start()
-        wait_for(lambda: scrape(server.url)["minideepinfer_frontend_requests_pending"] == 1, what="the first request")
+        wait_for(lambda: scrape(server.url)["minideepinfer:frontend_requests_pending"] == 1, what="the first request")
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "second", "max_tokens": 1})
         assert r.status_code == 503 and r.json()["error"]["code"] == "server_overloaded"
         assert r.headers["retry-after"] == "1"
         thread.join()
         assert first[0].status_code == 200
-        assert scrape(server.url)["minideepinfer_requests_rejected_total"] == 1
+        assert scrape(server.url)["minideepinfer:requests_rejected_total"] == 1
         assert httpx.post(server.url + "/v1/completions", json={"prompt": "third", "max_tokens": 1}).status_code == 200
 
 

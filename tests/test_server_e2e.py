@@ -32,15 +32,16 @@ def client(server):
 
 def _metrics(base: str) -> dict[str, float]:
     text = httpx.get(f"{base}/metrics", timeout=5).text
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(minideepinfer_[a-z_]+) ([0-9.e+-]+)$", text, re.M)}
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r"^(minideepinfer:[a-z_]+)\{[^}]*\} ([0-9.e+-]+)$", text, re.M)}
 
 
 def _wait_idle(base: str, timeout: float = 20.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = _metrics(base)
-        if (m["minideepinfer_requests_running"] == m["minideepinfer_requests_waiting"] ==
-                m["minideepinfer_kv_blocks_used"] == m["minideepinfer_state_slots_used"] == 0):
+        if (m["minideepinfer:num_requests_running"] == m["minideepinfer:num_requests_waiting"] ==
+                m["minideepinfer:kv_blocks_used"] == m["minideepinfer:state_slots_used"] == 0):
             return m
         if time.monotonic() > deadline:
             raise AssertionError(f"engine not idle: {m}")
@@ -119,4 +120,4 @@ def test_client_disconnect_aborts_and_frees_blocks_and_slots(server, stream):
             with pytest.raises(httpx.ReadTimeout):
                 http.post(f"{server}/v1/completions", json=body, timeout=1.5)
     metrics = _wait_idle(server)
-    assert metrics["minideepinfer_kv_blocks_total"] > 0 and metrics["minideepinfer_state_slots_total"] > 0
+    assert metrics["minideepinfer:kv_blocks_total"] > 0 and metrics["minideepinfer:state_slots_total"] > 0

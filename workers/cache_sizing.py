@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_core.config import EngineConfig
+from engine_core.config import EngineConfig, EngineConfigError
 from model.cache import bytes_per_block, bytes_per_slot
 from model.config import V41Config
 
@@ -35,7 +35,11 @@ class CacheCapacity:
 
 def plan_capacity(config: EngineConfig, cfg: V41Config, free_bytes: int | None) -> CacheCapacity:
     """Decide the cache geometry. ``free_bytes``: memory left for caches (None on CPU: use the budget)."""
-    max_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    if config.max_model_len is not None and config.max_model_len > cfg.max_position_embeddings:
+        # the CLI refuses this before any process starts; the offline API reaches it here
+        raise EngineConfigError(f"max_model_len {config.max_model_len} is above the model's limit "
+                                f"(max_position_embeddings {cfg.max_position_embeddings})")
+    max_len = config.max_model_len or cfg.max_position_embeddings
     slots = config.num_state_slots or config.max_num_seqs
     per_block = bytes_per_block(cfg, config.block_size)
     useful_blocks = 1 + slots * -(-max_len // config.block_size)
@@ -49,9 +53,9 @@ def plan_capacity(config: EngineConfig, cfg: V41Config, free_bytes: int | None) 
                                "lower --max-num-seqs or raise the memory budget")
         blocks = min(budget // per_block, useful_blocks)
     capacity = CacheCapacity(int(blocks), int(slots), config.block_size, max_len)
-    log.info("cache: %d KV blocks (%d tokens, %.1f MiB) and %d state slots (%.1f MiB) per rank; max_model_len %d",
+    log.info("cache: %d KV blocks (%d tokens, %.1f MiB) and %d state slots (%.1f MiB) per rank",
              capacity.num_blocks - 1, capacity.tokens, capacity.num_blocks * per_block / 2**20, slots,
-             slots * bytes_per_slot(cfg) / 2**20, max_len)
+             slots * bytes_per_slot(cfg) / 2**20)
     return capacity
 
 

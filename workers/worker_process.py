@@ -19,6 +19,7 @@ import zmq
 
 from engine_core.config import EngineConfig
 from engine_core.ipc import DropLog, Endpoints, parse, send
+from engine_core.log_setup import configure_logging, worker_process_name
 from engine_core.protocol import MessageType, StepPlan, StepResult, WorkerControl
 
 from .memory import MallocTrimmer
@@ -40,7 +41,7 @@ def _init_distributed(config: EngineConfig, rank: int, dist_port: int):
 
 
 def worker_main(config_json: bytes, endpoints_json: bytes, rank: int, dist_port: int, log_level: str) -> None:
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s worker{rank} %(name)s: %(message)s")
+    configure_logging(log_level, worker_process_name(rank))
     config = msgspec.json.decode(config_json, type=EngineConfig)
     endpoints = msgspec.json.decode(endpoints_json, type=Endpoints)
     parent = os.getppid()
@@ -50,14 +51,18 @@ def worker_main(config_json: bytes, endpoints_json: bytes, rank: int, dist_port:
     results = endpoints.socket(context, zmq.PUSH, endpoints.results, bind=False)
     try:
         runner = _build_runner(config, rank, dist_port)
-    except Exception as exc:  # report why, so the engine can tell the user
-        send(results, MessageType.CONTROL, WorkerControl("ready", rank, error=f"{type(exc).__name__}: {exc}"))
-        log.exception("worker %d failed to start", rank)
+    except Exception as exc:  # report why, so the engine can tell the user (the frontend logs it once)
+        # a bad file or too little memory needs no traceback (DEBUG shows it); anything else is likely a bug
+        expected = isinstance(exc, (ValueError, OSError, RuntimeError)) and str(exc)
+        reason = str(exc) if expected else f"{type(exc).__name__}: {exc}"
+        send(results, MessageType.CONTROL, WorkerControl("ready", rank, error=reason))
+        log.log(logging.DEBUG if expected else logging.ERROR, "worker %d failed to start", rank, exc_info=True)
         return
     cap = runner.capacity
     send(results, MessageType.CONTROL, WorkerControl(
         "ready", rank, num_blocks=cap.num_blocks, num_slots=cap.num_slots, max_model_len=cap.max_model_len,
-        vocab_size=runner.cfg.vocab_size, eos_token_id=runner.cfg.eos_token_id))
+        vocab_size=runner.cfg.vocab_size, eos_token_id=runner.cfg.eos_token_id,
+        device_name=describe_device(runner.device, config), kv_cache_dtype=_dtype_name(runner.cache.window[0].dtype)))
     poller = zmq.Poller()
     poller.register(steps, zmq.POLLIN)
     drops = DropLog(f"worker {rank} steps")
@@ -80,6 +85,21 @@ def worker_main(config_json: bytes, endpoints_json: bytes, rank: int, dist_port:
         context.term()
 
 
+def describe_device(device, config: EngineConfig) -> str:
+    """The device a worker runs on, as the startup summary shows it."""
+    import torch
+
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"{device} {props.name} ({props.total_memory / 2**30:.1f} GiB)"
+    threads = config.cpu_threads
+    return f"cpu ({threads} thread{'s' if threads != 1 else ''})"
+
+
+def _dtype_name(dtype) -> str:
+    return {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}.get(str(dtype), str(dtype))
+
+
 def _build_runner(config: EngineConfig, rank: int, dist_port: int):
     from .model_runner import ModelRunner
 
@@ -90,8 +110,11 @@ def _build_runner(config: EngineConfig, rank: int, dist_port: int):
     _init_distributed(config, rank, dist_port)
     from model.config import V41Config
 
-    experts = V41Config.from_pretrained(config.model).num_routed_experts
-    return ModelRunner(config, rank, ExpertParallelDispatcher(rank, config.dp_size, experts))
+    cfg = V41Config.from_pretrained(config.model)
+    dispatcher = ExpertParallelDispatcher.for_engine(
+        rank, config.dp_size, cfg.num_routed_experts, cfg.num_experts_per_token, config.max_num_seqs,
+        config.max_num_batched_tokens, config.expert_capacity_factor)
+    return ModelRunner(config, rank, dispatcher)
 
 
 def handle_message(frames: list, runner, rank: int, results, drops: DropLog) -> bool:
@@ -124,6 +147,11 @@ def _prepare_grammar(runner, structured) -> None:
 
 def _run_step(runner, plan: StepPlan, rank: int) -> StepResult:
     try:
+        if runner.expert_parallel is not None:
+            # every rank sees the whole plan, so all announce the same size without talking: the
+            # MoE exchanges of this step shrink to the busiest rank's tokens
+            runner.expert_parallel.set_step_tokens(max(sum(len(s.token_ids) for s in batch.sequences)
+                                                       for batch in plan.ranks))
         return runner.collect(runner.execute(plan.step_id, plan.ranks[rank], plan.released_seq_ids))
     except Exception:
         log.exception("step %d failed", plan.step_id)

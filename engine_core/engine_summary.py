@@ -1,0 +1,40 @@
+"""The engine's part of the startup summary: what it runs on, in which formats, with how much cache.
+
+Built once in the engine-core process when the workers are ready (from the configuration, the
+workers' handshake and the model's config.json) and sent to the frontend with ``ready``; the
+frontend adds the version, the served names and the URL (frontend/startup_summary.py).
+"""
+
+from __future__ import annotations
+
+from .config import EngineConfig
+from .executor import WorkerInfo
+from .protocol import EngineSummary
+
+_FORMAT_NAMES = {"bf16": "bf16", "fp8": "fp8 e4m3", "fp4": "fp4 e2m1"}
+
+
+def weight_formats(dense: str, experts: str) -> str:
+    """How the checkpoint stores its weights, e.g. "fp8 e4m3 dense + fp4 e2m1 experts (UE8M0 block scales)"."""
+    text = f"{_FORMAT_NAMES[dense]} dense + {_FORMAT_NAMES[experts]} experts"
+    return text + (" (UE8M0 block scales)" if "bf16" not in (dense, experts) else "")
+
+
+def build_summary(config: EngineConfig, info: WorkerInfo, max_model_len: int, devices: list[str],
+                  kv_cache_dtype: str) -> EngineSummary:
+    """``max_model_len``: the engine's effective limit (the scheduler's); ``devices`` and
+    ``kv_cache_dtype`` as the workers reported them."""
+    from model.cache import bytes_per_block, bytes_per_slot
+    from model.config import V41Config
+
+    cfg = V41Config.from_pretrained(config.model)
+    blocks = info.num_blocks - 1  # block 0 is padding
+    return EngineSummary(
+        devices=devices, weight_formats=weight_formats(cfg.dense_format.value, cfg.expert_format.value),
+        kv_cache_dtype=kv_cache_dtype, kernels=config.resolved_kernels, batch_invariant=config.resolved_batch_invariant,
+        zos=config.zos, enforce_eager=config.enforce_eager, dp_size=config.dp_size,
+        num_routed_experts=cfg.num_routed_experts, block_size=config.block_size, kv_blocks_per_rank=blocks,
+        state_slots_per_rank=info.num_slots, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
+        model_max_len=cfg.max_position_embeddings,
+        kv_cache_bytes_per_rank=info.num_blocks * bytes_per_block(cfg, config.block_size),
+        state_bytes_per_rank=info.num_slots * bytes_per_slot(cfg))
