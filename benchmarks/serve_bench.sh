@@ -21,8 +21,9 @@ for mode in zos no-zos; do
     sleep 0.5
   done
   $PY -m benchmarks.serve --base-url "http://127.0.0.1:$port" --num-prompts "${NUM_PROMPTS:-64}" \
-      --input-len "${INPUT_LEN:-128}" --output-len "${OUTPUT_LEN:-32}" --max-concurrency "${CONCURRENCY:-16}" \
-      --request-rate "${RATE:-inf}" --warmup 4 --label "$device-$mode" --result-json "$out/$device-$mode.json" \
+      --random-input-len "${INPUT_LEN:-128}" --random-output-len "${OUTPUT_LEN:-32}" \
+      --max-concurrency "${CONCURRENCY:-16}" --request-rate "${RATE:-inf}" --num-warmups 4 --label "$device-$mode" \
+      --save-result --save-detailed --result-dir "$out" --result-filename "$device-$mode.json" \
       | tee "$out/$device-$mode.txt"
   kill $pid; wait $pid 2>/dev/null || true
 done
