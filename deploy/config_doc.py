@@ -60,7 +60,8 @@ samples), so dashboards and alerts written for vLLM work unchanged; `--no-vllm-m
 drops the copies. Every series carries vLLM's labels `model_name` (the first served model name)
 and `engine` (always `0`: one engine core schedules all DP ranks); `request_success` adds
 `finished_reason`. Counters carry Prometheus' `_total` suffix (`vllm:prompt_tokens_total`); gauges are
-summed over DP ranks. `deploy/grafana-dashboard.json` is a Grafana
+summed over DP ranks; the `*_per_rank` families give each rank's value with a `dp_rank` label.
+`deploy/grafana-dashboard.json` is a Grafana
 dashboard on these names.
 
 | name (after `PREFIX:`) | type | vLLM name(s) | meaning |

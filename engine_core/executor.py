@@ -4,8 +4,9 @@
 while this one runs (zero-overhead scheduling); ``collect`` blocks until the step's results (one
 ``StepResult`` per DP rank) are on the CPU. Steps are executed in submission order.
 
-``InProcessExecutor`` runs one worker in the engine's own process (offline ``LLM``, tests);
-``engine_core.mp_executor.MultiprocExecutor`` runs one worker process per DP rank.
+``InProcessExecutor`` runs one worker in the engine's own process (the offline ``LLM`` with one
+rank, tests); ``engine_core.mp_executor.MultiprocExecutor`` runs one worker process per DP rank
+(``serve``, ``generate``, and the offline ``LLM`` with ``dp_size`` > 1).
 """
 
 from __future__ import annotations

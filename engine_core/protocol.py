@@ -139,7 +139,8 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
-    """The engine's gauges (summed over DP ranks) and cumulative counters since it started."""
+    """The engine's gauges (summed over DP ranks) and cumulative counters since it started, then
+    the per-rank values they sum."""
 
     running: int = 0
     waiting: int = 0
@@ -152,6 +153,15 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     # +Inf bucket (not cumulative), and the tokens of all steps
     step_token_counts: list[int] = []
     step_tokens_sum: int = 0
+    # the same per DP rank (index = rank), for the per-rank metrics. Waiting has no split: the queue
+    # is shared and a sequence gets its rank only when it is admitted.
+    rank_running: list[int] = []
+    rank_kv_blocks_used: list[int] = []
+    rank_kv_blocks_total: list[int] = []
+    rank_state_slots_used: list[int] = []
+    rank_state_slots_total: list[int] = []
+    rank_preemptions: list[int] = []  # cumulative
+    rank_tokens_scheduled: list[int] = []  # cumulative: prefill and decode tokens planned for the rank
 
 
 class EngineSummary(msgspec.Struct, array_like=True, omit_defaults=True):

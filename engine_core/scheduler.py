@@ -8,10 +8,13 @@ applying step N's results: a decode input that is still on the device is referen
 the previous step (``prev_row``), and every capacity decision is taken on what is already
 reserved (blocks are allocated when a position is scheduled, not when its token is known).
 
-Each DP rank has its own KV blocks, state slots and running list; a sequence is assigned to the
-rank with the most room when it is admitted. When a rank runs out of blocks during decode, its
-running sequence with the longest output is preempted: its blocks and slot are freed, its epoch
-bumped, and it waits at the front of the queue to be recomputed from its known tokens.
+Each DP rank has its own KV blocks, state slots and running list. Waiting sequences share one
+FIFO queue and get a rank when they are admitted: the rank with the most free capacity
+(``_pick_rank``). The head of the queue never waits while some rank could take it, and a burst
+after a few long requests spreads over every rank (tests/test_dp_balance.py). When a rank runs
+out of blocks during decode, its running sequence with the longest output is preempted: its
+blocks and slot are freed, its epoch bumped, and it waits at the front of the queue to be
+recomputed from its known tokens.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ class Scheduler:
         self.by_request: dict[str, Sequence] = {}
         self.next_step_id = 0
         self.num_preemptions = 0
+        self.rank_preemptions = [0] * config.dp_size
+        self.rank_tokens_scheduled = [0] * config.dp_size  # prefill and decode tokens planned, per rank
         # planned steps by their number of tokens (ITERATION_TOKEN_BUCKETS, then +Inf), for the metrics
         self.step_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self.step_tokens_sum = 0
@@ -103,7 +108,13 @@ class Scheduler:
             state_slots_used=sum(r.slots.num_used for r in self.ranks),
             state_slots_total=sum(r.slots.capacity for r in self.ranks),
             preemptions=self.num_preemptions, step_token_counts=list(self.step_token_counts),
-            step_tokens_sum=self.step_tokens_sum)
+            step_tokens_sum=self.step_tokens_sum,
+            rank_running=[len(r.running) for r in self.ranks],
+            rank_kv_blocks_used=[r.blocks.num_used for r in self.ranks],
+            rank_kv_blocks_total=[r.blocks.capacity for r in self.ranks],
+            rank_state_slots_used=[r.slots.num_used for r in self.ranks],
+            rank_state_slots_total=[r.slots.capacity for r in self.ranks],
+            rank_preemptions=list(self.rank_preemptions), rank_tokens_scheduled=list(self.rank_tokens_scheduled))
 
     # ------------------------------------------------------------------ planning
     def schedule(self) -> StepPlan | None:
@@ -113,7 +124,10 @@ class Scheduler:
             self._schedule_decode(rows)
         if not any(rows):
             return None
-        tokens = sum(len(step.token_ids) for rank_rows in rows for step in rank_rows)
+        rank_tokens = [sum(len(step.token_ids) for step in rank_rows) for rank_rows in rows]
+        for r, count in enumerate(rank_tokens):
+            self.rank_tokens_scheduled[r] += count
+        tokens = sum(rank_tokens)
         self.step_token_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
         self.step_tokens_sum += tokens
         self._last_rows = {step.seq_id: i for rank_rows in rows for i, step in enumerate(rank_rows) if step.sample}
@@ -153,13 +167,23 @@ class Scheduler:
         return any(rows)
 
     def _pick_rank(self, seq: Sequence, budgets: list[int]) -> int | None:
-        """The rank with the most free blocks that can take the head of the queue now."""
+        """The rank with the most free capacity among those that can take the head of the queue now.
+
+        A rank's free capacity is its tightest limit: the smallest free fraction of its running
+        seats (``max_num_seqs``), its KV blocks and its state slots. Free blocks alone would send
+        every short request to a rank that has many blocks left but nearly all its seats taken:
+        the ranks step in lockstep (the expert exchange), so that rank's batch would set every
+        step's pace while the others run a handful of rows. Ties go to the rank running fewer
+        sequences, then to the lower rank."""
+        cfg = self.config
         candidates = []
         for r, rank in enumerate(self.ranks):
             first_chunk = min(seq.num_tokens, budgets[r])
-            if (budgets[r] > 0 and len(rank.running) < self.config.max_num_seqs and rank.slots.can_allocate(1)
-                    and rank.blocks.can_allocate(-(-first_chunk // self.config.block_size))):
-                candidates.append((-rank.blocks.num_free, len(rank.running), r))
+            if (budgets[r] > 0 and len(rank.running) < cfg.max_num_seqs and rank.slots.can_allocate(1)
+                    and rank.blocks.can_allocate(-(-first_chunk // cfg.block_size))):
+                free = min(1 - len(rank.running) / cfg.max_num_seqs, rank.blocks.num_free / rank.blocks.capacity,
+                           rank.slots.num_free / rank.slots.capacity)
+                candidates.append((-free, len(rank.running), r))
         return min(candidates)[2] if candidates else None
 
     def _prefill_chunk(self, seq: Sequence, rank: RankState, budget: int, out: list[SequenceStep]) -> int:
@@ -248,6 +272,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         rank = self.ranks[seq.dp_rank]
+        self.rank_preemptions[seq.dp_rank] += 1
         rank.running.remove(seq)
         self._release(seq, rank)
         seq.status = SequenceStatus.WAITING

@@ -7,7 +7,13 @@
     outputs[0].outputs[1].text
     llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=16))
 
-The engine core and one worker run in this process. Prompts are text (tokenized with the
+With one rank (``dp_size=1``, the default) the engine core and its worker run in this process. With
+``dp_size=N`` (vLLM's ``data_parallel_size=N`` is the same) the engine core stays here and starts N
+worker processes over ZeroMQ, the routed experts sharded over them, exactly as ``serve`` does
+(engine_core/mp_executor.py); the workers are started with the ``spawn`` method, so a script that
+makes such an ``LLM`` needs vLLM's ``if __name__ == "__main__":`` guard. ``close()`` (or ``with
+LLM(...) as llm:``) stops the workers and frees the model; ``del llm``, garbage collection and the
+interpreter's exit do the same for an ``LLM`` that was not closed. Prompts are text (tokenized with the
 checkpoint's tokenizer), token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``;
 results keep the input order, one ``RequestOutput`` (outputs.py) per prompt with its ``n``
 choices. Stop strings, detokenization and choice seeds work as on the server (output_stream.py,
@@ -20,13 +26,17 @@ own ``engine_core.protocol.SamplingParams`` are accepted too (one choice, no sto
 from __future__ import annotations
 
 import itertools
+import logging
 import sys
+import weakref
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
-from engine_core.config import EngineConfig
+from engine_core.config import EngineConfig, check_engine_config
 from engine_core.core import EngineCore
-from engine_core.executor import InProcessExecutor
+from engine_core.executor import Executor, InProcessExecutor
+from engine_core.ipc import Endpoints
+from engine_core.log_setup import LEVELS
 from engine_core.protocol import AddRequest
 from engine_core.protocol import SamplingParams as EngineSamplingParams
 
@@ -74,17 +84,28 @@ class _Prompt:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, generation_config: str = "auto", **engine_args):
+    def __init__(self, model: str | None = None, *, generation_config: str = "auto",
+                 data_parallel_size: int | None = None, **engine_args):
         """``generation_config``: ``auto`` (the model's generation_config.json), ``vllm`` (none) or a
-        directory holding one; ``engine_args`` are ``EngineConfig`` fields (device, dp_size, ...)."""
+        directory holding one; ``data_parallel_size``: vLLM's name of ``dp_size``; ``engine_args``
+        are ``EngineConfig`` fields (device, dp_size, max_num_seqs, ...). The configuration is
+        checked as the command line checks it (``EngineConfigError``) before anything starts."""
         if model is None:
             from model.checkpoint_maker import default_model_dir
 
             model = str(default_model_dir())
         if "generation_config" in {f.name for f in fields(EngineConfig)}:
             engine_args["generation_config"] = generation_config
+        if data_parallel_size is not None:
+            if engine_args.setdefault("dp_size", data_parallel_size) != data_parallel_size:
+                raise ValueError(f"dp_size={engine_args['dp_size']} and data_parallel_size={data_parallel_size} "
+                                 "disagree (they are the same setting)")
         self.config = EngineConfig(model=str(model), **engine_args)
-        self.engine = EngineCore(self.config, InProcessExecutor(self.config))
+        check_engine_config(self.config)
+        self.engine = _start_engine(self.config)
+        # stops the workers on close(), on garbage collection and at the interpreter's exit, whichever
+        # comes first; it holds the engine, not this object, so it does not keep the LLM alive
+        self._finalizer = weakref.finalize(self, _stop_engine, self.engine)
         try:
             self.tokenizer: Tokenizer | None = Tokenizer(model)
         except TokenizerError:
@@ -93,6 +114,23 @@ class LLM:
         self.eos_token_id = self.engine.executor.info.eos_token_id
         self._ids = itertools.count()
 
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Stop the worker processes and free the model and caches (idempotent); the ``LLM`` cannot
+        generate afterwards."""
+        self._finalizer()
+        self.engine = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.engine is None:
+            raise RuntimeError("this LLM is closed")
+
     def get_default_sampling_params(self) -> SamplingParams:
         """The model's defaults (generation_config.json), else the neutral ones."""
         return SamplingParams(**self.sampling_defaults)
@@ -100,6 +138,7 @@ class LLM:
     # ------------------------------------------------------------------ entry points
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: Params | Sequence[Params] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        self._check_open()
         prompts = _as_prompt_list(prompts)
         inputs = []
         for index, prompt in enumerate(prompts):
@@ -114,6 +153,7 @@ class LLM:
              tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """One conversation (a list of messages) or several (a list of such lists), rendered with the
         model's chat template as the server renders them; one ``RequestOutput`` per conversation."""
+        self._check_open()
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: chat is not available")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -234,6 +274,48 @@ class LLM:
                                                   self.tokenizer)]
         request_id = prompt.choices[0].request_id if prompt.choices else ""
         return RequestOutput(request_id, prompt.text, prompt.ids, prompt_logprobs, outputs)
+
+
+def _start_engine(config: EngineConfig) -> EngineCore:
+    """The engine core in this process, over an in-process worker (one rank) or one worker process
+    per DP rank (as ``serve`` starts them)."""
+    if config.dp_size == 1:
+        return EngineCore(config, InProcessExecutor(config))
+    from engine_core.mp_executor import MultiprocExecutor
+
+    endpoints = Endpoints.local()
+    try:
+        executor = MultiprocExecutor(config, endpoints, _log_level())  # stops what it started if it fails
+    except BaseException:
+        endpoints.cleanup()
+        raise
+    try:
+        return EngineCore(config, executor)
+    except BaseException:
+        _stop_executor(executor)
+        raise
+
+
+def _stop_engine(engine: EngineCore) -> None:
+    engine.shutdown()
+    _remove_sockets(engine.executor)
+
+
+def _stop_executor(executor: Executor) -> None:
+    executor.shutdown()
+    _remove_sockets(executor)
+
+
+def _remove_sockets(executor: Executor) -> None:
+    endpoints = getattr(executor, "endpoints", None)  # the worker processes' socket directory
+    if endpoints is not None:
+        endpoints.cleanup()
+
+
+def _log_level() -> str:
+    """The workers log at this process's level (a level without a standard name: INFO)."""
+    name = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+    return name if name in LEVELS else "INFO"
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

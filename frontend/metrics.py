@@ -12,6 +12,11 @@ docs/configuration.md is generated from it).
 
 * gauges and the engine's counters are read from ``engine.stats()`` when Prometheus scrapes (no
   background polling), summed over DP ranks; the tokens-per-step histogram comes from there too;
+* the same engine values per DP rank are separate ``*_per_rank`` families with a ``dp_rank`` label
+  (ours only: vLLM runs one engine per rank and tells them apart by ``engine``, which here stays
+  "0"). They are not extra series of the summed families, so that ``sum(...)`` over a family,
+  as every vLLM dashboard does, still counts each sequence once. There is no per-rank waiting:
+  the queue is shared and a sequence gets its rank only when it is admitted;
 * latency and length histograms, finished/aborted/rejected counters: ``RequestTimer`` follows one
   engine request from arrival to finish and records them (and the request's log line).
 """
@@ -35,6 +40,7 @@ from .engine_client import EngineClientBase
 DEFAULT_PREFIX = "minideepinfer"
 VLLM_PREFIX = "vllm"
 LABELS = ("model_name", "engine")
+RANK_LABELS = (*LABELS, "dp_rank")
 FINISH_REASONS = ("stop", "length", "abort")
 request_log = logging.getLogger("frontend.requests")
 
@@ -50,17 +56,27 @@ class MetricInfo:
 METRICS: tuple[MetricInfo, ...] = (
     MetricInfo("num_requests_running", "gauge", "Requests running in the engine (all DP ranks).",
                ("num_requests_running",)),
-    MetricInfo("num_requests_waiting", "gauge", "Requests waiting in the engine's queue (all DP ranks).",
-               ("num_requests_waiting",)),
+    MetricInfo("num_requests_waiting", "gauge",
+               "Requests waiting in the engine's queue (one queue for all DP ranks: a request gets its rank "
+               "when it is admitted).", ("num_requests_waiting",)),
     MetricInfo("kv_cache_usage_perc", "gauge", "KV-cache usage: the fraction of KV blocks in use (1 means 100 percent).",
                ("kv_cache_usage_perc", "gpu_cache_usage_perc")),
     MetricInfo("kv_blocks_used", "gauge", "KV cache blocks in use (all DP ranks)."),
     MetricInfo("kv_blocks_total", "gauge", "KV cache blocks in all (all DP ranks)."),
     MetricInfo("state_slots_used", "gauge", "Per-sequence state slots in use (all DP ranks)."),
     MetricInfo("state_slots_total", "gauge", "Per-sequence state slots in all (all DP ranks)."),
+    MetricInfo("num_requests_running_per_rank", "gauge", "Requests running on each DP rank (label dp_rank)."),
+    MetricInfo("kv_cache_usage_perc_per_rank", "gauge",
+               "KV-cache usage of each DP rank (label dp_rank): the fraction of its KV blocks in use."),
+    MetricInfo("kv_blocks_used_per_rank", "gauge", "KV cache blocks in use on each DP rank (label dp_rank)."),
+    MetricInfo("state_slots_used_per_rank", "gauge",
+               "Per-sequence state slots in use on each DP rank (label dp_rank)."),
     MetricInfo("frontend_requests_pending", "gauge", "Engine requests the frontend sent that have no output yet."),
     MetricInfo("num_preemptions", "counter", "Sequences preempted (their cache freed, recomputed later).",
                ("num_preemptions",)),
+    MetricInfo("num_preemptions_per_rank", "counter", "Sequences preempted on each DP rank (label dp_rank)."),
+    MetricInfo("scheduled_tokens_per_rank", "counter",
+               "Prompt and decode tokens scheduled on each DP rank (label dp_rank): its share of the work."),
     MetricInfo("prompt_tokens", "counter", "Prompt tokens of the requests prefilled.", ("prompt_tokens",)),
     MetricInfo("generation_tokens", "counter", "Tokens generated.", ("generation_tokens",)),
     MetricInfo("request_success", "counter", "Engine requests finished, by finished_reason (stop, length, abort).",
@@ -112,8 +128,8 @@ class _EngineCollector(Collector):
         self.engine, self.frontend_waiting = engine, frontend_waiting
         self.prefix, self.label_values = prefix, label_values
 
-    def _family(self, cls, name: str, **kwargs):
-        return cls(f"{self.prefix}:{name}", _INFO[name].help, labels=LABELS, **kwargs)
+    def _family(self, cls, name: str, labels: tuple[str, ...] = LABELS, **kwargs):
+        return cls(f"{self.prefix}:{name}", _INFO[name].help, labels=labels, **kwargs)
 
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.stats()
@@ -132,6 +148,24 @@ class _EngineCollector(Collector):
         preemptions.add_metric(self.label_values, stats.preemptions)
         yield preemptions
         yield self._iteration_tokens(stats.step_token_counts, stats.step_tokens_sum)
+        yield from self._per_rank(stats)
+
+    def _per_rank(self, stats) -> Iterator[Metric]:
+        usage = [used / total if total else 0.0 for used, total in zip(stats.rank_kv_blocks_used,
+                                                                      stats.rank_kv_blocks_total)]
+        families = (
+            (GaugeMetricFamily, "num_requests_running_per_rank", stats.rank_running),
+            (GaugeMetricFamily, "kv_cache_usage_perc_per_rank", usage),
+            (GaugeMetricFamily, "kv_blocks_used_per_rank", stats.rank_kv_blocks_used),
+            (GaugeMetricFamily, "state_slots_used_per_rank", stats.rank_state_slots_used),
+            (CounterMetricFamily, "num_preemptions_per_rank", stats.rank_preemptions),
+            (CounterMetricFamily, "scheduled_tokens_per_rank", stats.rank_tokens_scheduled),
+        )
+        for cls, name, values in families:
+            family = self._family(cls, name, RANK_LABELS)
+            for rank, value in enumerate(values):
+                family.add_metric([*self.label_values, str(rank)], value)
+            yield family
 
     def _iteration_tokens(self, counts: list[int], total_tokens: int) -> HistogramMetricFamily:
         counts = list(counts) or [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)

@@ -191,5 +191,5 @@ def test_a_max_model_len_above_the_models_limit_is_an_error():
     """The CLI refuses it before starting; the offline API must not clamp it silently either."""
     from engine_core.config import EngineConfigError
 
-    with pytest.raises(EngineConfigError, match="above the model's limit"):
+    with pytest.raises(EngineConfigError, match="than the model's limit of 4096"):
         LLM(max_model_len=10**9)
