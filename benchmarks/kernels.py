@@ -58,7 +58,7 @@ stops; outputs compared with the default config's within the tolerance, since an
 in another order) and the experts' configs (16-32 tokens x 64-128 weight rows, 2-4 stages; outputs
 compared bit for bit: the experts' kernels are batch invariant; 4 or 8 warps), by
 overriding ``model.kernels.tile_configs`` tables for the duration of each measurement, and prints
-the best config per (kernel, M) and the best single config per M.
+the best config per (kernel, M) and the best single config per M (``benchmarks/kernel_tune.py``).
 
 ``--batch-invariant`` measures the Triton backend's batch-invariant mode (every product in its
 prefill form) instead of the default (split-K decode form at M <= 64).
@@ -70,7 +70,6 @@ every number. ``--device cpu`` (with ``--tiny``) sets TRITON_INTERPRET=1 itself 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -87,8 +86,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.device_limits import STARTED, MB, Ceilings, Timer, Timing, log, measure_ceilings  # noqa: E402,F401
+from benchmarks.kernel_tune import run_tune, tune_markdown  # noqa: E402
+from benchmarks.kernel_checks import (CorrectnessError, check, check_rows, input_sets, limit_of,  # noqa: E402
+                                      linear_bytes, rel_err, us)
 
-MAX_REL_ERR = 1e-2
 DECODE_MAX_M = 256
 GRAPH_CALLS = 16  # Triton calls per CUDA graph when timing decode sizes
 GB = 1e9
@@ -185,10 +186,6 @@ def linear_specs(s: Shapes) -> list[LinearSpec]:
 
 
 # ----------------------------------------------------------------------------------- checks
-class CorrectnessError(RuntimeError):
-    pass
-
-
 # ----------------------------------------------------------------------------------- data
 def fp8_weight(rows: int, cols: int, gain: float, device: torch.device, gen: torch.Generator):
     """An FP8 projection as a checkpoint holds it: normal * gain * fan_in**-0.5, quantized per 32x32 tile."""
@@ -241,12 +238,6 @@ def random_routing(m: int, s: Shapes, device, gen):
     return pair_token, experts.reshape(-1), weights.reshape(-1).float().contiguous()
 
 
-def input_sets(m: int, per_row_bytes: int, decode: bool) -> int:
-    if not decode:
-        return 2
-    return max(2, min(8, math.ceil(64 * MB / max(1, m * per_row_bytes))))
-
-
 # ----------------------------------------------------------------------------------- plain torch
 def torch_linear(x, w):
     return F.linear(x, w.dequantized())
@@ -276,30 +267,6 @@ def torch_moe(x, pair_token, pair_expert, pair_weight, experts, limit: float):
     return out
 
 
-# ----------------------------------------------------------------------------------- checks
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.float(), ref.float()
-    if out.shape != ref.shape:
-        raise CorrectnessError(f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
-    if not bool(torch.isfinite(out).all()):
-        return float("inf")
-    scale = ref.abs().max().item()
-    return (out - ref).abs().max().item() / max(scale, 1e-30)
-
-
-def check(name: str, m: int, err: float, what: str) -> None:
-    if not (err <= MAX_REL_ERR):
-        banner = "!" * 78
-        raise CorrectnessError(f"\n{banner}\nWRONG RESULT: {name} at M={m}: max |triton - reference| / max |reference| "
-                               f"= {err:.3e} ({what}) > {MAX_REL_ERR:g}\n{banner}")
-
-
-def check_rows(m: int, count: int, device) -> torch.Tensor:
-    """Evenly spread row indices, first and last included."""
-    return torch.linspace(0, m - 1, steps=min(m, count), device=device).round().long().unique()
-
-
-# ----------------------------------------------------------------------------------- results
 @dataclass
 class Row:
     kernel: str
@@ -323,17 +290,6 @@ class Row:
     @property
     def pct_limit(self) -> float | None:
         return None if not self.triton_s else self.limit_s / self.triton_s
-
-
-def limit_of(nbytes: float, flops: float, ceil: Ceilings) -> tuple[float, float, float, str]:
-    mem_s, flop_s = nbytes / ceil.bandwidth, flops / ceil.bf16_flops
-    return mem_s, flop_s, max(mem_s, flop_s), ("memory" if mem_s >= flop_s else "compute")
-
-
-def linear_bytes(spec: LinearSpec, m: int, w) -> tuple[float, float]:
-    x_bytes = m * spec.groups * spec.k * 2
-    out_bytes = m * spec.groups * spec.n * 2
-    return w.nbytes + x_bytes + out_bytes, 2.0 * m * spec.groups * spec.n * spec.k
 
 
 # ----------------------------------------------------------------------------------- the benchmark
@@ -612,108 +568,8 @@ class Bench:
                 torch.cuda.empty_cache()
 
     # ------------------------------------------------------------ tile-config sweep
-    def run_tune(self, ms: list[int]) -> None:
-        # FP8 linears at M <= 64: the decode form's configs (triton_decode_mm; the split changes the
-        # summation order, so outputs are compared within tolerance). Experts: the weight rows stay on
-        # the tensor cores' 64-row side (batch invariance) (outputs compared bit for bit).
-        DecodeConfig = tile_configs.DecodeConfig
-        decode_cfgs = [DecodeConfig(bw, bk, bw // 16, st, pps) for bw in (64, 128) for bk in (128, 256)
-                       for st in (3, 4) for pps in (2, 4, 8)]
-        moe_cfgs = [TileConfig(bm, bn, warps, st) for bm in (16, 32) for bn in (64, 128) for warps in (4, 8)
-                    for st in (2, 3, 4)]
-        if self.args.tiny:
-            decode_cfgs, moe_cfgs = decode_cfgs[1::5], moe_cfgs[1::5]  # the logic, not the numbers
-        budget = (self.budget_fast[0] * 0.4, self.budget_fast[1], self.budget_fast[2])
-        for m in ms:
-            if m <= self.tk_decode_max:
-                for spec in self.specs:
-                    ws = self.weights[spec.name]
-                    nx = input_sets(m, spec.groups * spec.k * 2, True)
-                    shape = (m, spec.groups, spec.k) if spec.groups > 1 else (m, spec.k)
-                    xs = [torch.randn(shape, device=self.device, generator=self.gen).to(torch.bfloat16)
-                          for _ in range(nx)]
-                    fn = self.tk.grouped_dequantized_linear if spec.groups > 1 else self.tk.quantized_linear
-                    nbytes, flops = linear_bytes(spec, m, ws[0])
-                    limit_s = limit_of(nbytes, flops, self.ceil)[2]
-                    default = tile_configs.decode_mm_config(m)
-                    self._sweep(spec.name, m, limit_s, default, decode_cfgs, "decode",
-                                lambda i: fn(xs[i % nx], ws[i % len(ws)]), budget)
-                    del xs
-            sets = self.routing_sets(m, 8)
-            hit = statistics.mean(int(torch.unique(st[2]).numel()) for st in sets)
-            pairs = m * self.s.top_k
-            nbytes = hit * self.expert_bytes() + m * self.s.dim * 2 + pairs * self.s.dim * 2
-            limit_s = limit_of(nbytes, 6.0 * pairs * self.s.inter * self.s.dim, self.ceil)[2]
-            default = tile_configs.moe_config(pairs / self.s.experts)
-            self._sweep("moe.experts", m, limit_s, default, moe_cfgs, "moe",
-                        lambda i: self.tk.expert_outputs(*sets[i % len(sets)], self.experts), budget)
-            del sets
-            self._cleanup(big=False)
-
-    def _sweep(self, name, m, limit_s, default, cfgs, table, call, budget) -> None:
-        base = call(0)
-        base_s = self.measure_triton(call, budget, True).median_s
-        entry = {"kernel": name, "m": m, "default": asdict(default), "default_s": base_s, "limit_s": limit_s,
-                 "configs": []}
-        best = (base_s, default)
-        for cfg in cfgs:
-            with override_tables(**{table: cfg}):
-                try:
-                    out = call(0)
-                    t = self.measure_triton(call, budget, True).median_s
-                except Exception as exc:  # e.g. out of shared memory
-                    entry["configs"].append({"config": asdict(cfg), "error": f"{type(exc).__name__}: {exc}"[:200]})
-                    continue
-            if table == "decode":  # another split: another summation order
-                err = rel_err(out, base)
-                entry["configs"].append({"config": asdict(cfg), "s": t, "rel_err_to_default": err})
-                if not err <= MAX_REL_ERR:
-                    raise CorrectnessError(f"{name} M={m} {cfg}: differs from the default config by {err:.2e}")
-            else:
-                same = bool(torch.equal(out, base))
-                entry["configs"].append({"config": asdict(cfg), "s": t, "bitwise_equal_to_default": same})
-                if not same:
-                    log(f"  note: {name} M={m} {cfg} output differs bitwise from the default config's")
-            if t < best[0]:
-                best = (t, cfg)
-        entry["best"], entry["best_s"] = asdict(best[1]), best[0]
-        log(f"tune {name:22s} M={m:<5d} default {base_s * 1e6:8.1f} us -> best {best[0] * 1e6:8.1f} us "
-            f"{cfg_text(best[1])} ({limit_s / best[0]:.0%} of limit)")
-        self.tune.append(entry)
-
-
-@contextlib.contextmanager
-def override_tables(gemm=None, moe=None, decode=None):
-    """Every M takes ``gemm`` / ``moe`` / ``decode`` while inside (the tables are read at each call)."""
-    saved = tile_configs._BF16_MM_TABLE, tile_configs._MOE_TABLE, tile_configs._DECODE_MM_TABLE
-    try:
-        if gemm is not None:
-            tile_configs._BF16_MM_TABLE = ((1 << 62, gemm),)
-        if moe is not None:
-            tile_configs._MOE_TABLE = ((1 << 62, moe),)
-        if decode is not None:
-            tile_configs._DECODE_MM_TABLE = ((1 << 62, decode),)
-        yield
-    finally:
-        tile_configs._BF16_MM_TABLE, tile_configs._MOE_TABLE, tile_configs._DECODE_MM_TABLE = saved
-
-
-def cfg_text(cfg) -> str:
-    if isinstance(cfg, dict):
-        cfg = (tile_configs.DecodeConfig if "block_w" in cfg else TileConfig)(**cfg)
-    if isinstance(cfg, tile_configs.DecodeConfig):
-        return f"w{cfg.block_w}/k{cfg.block_k}/warps{cfg.num_warps}/s{cfg.num_stages}/pps{cfg.programs_per_sm}"
-    return f"m{cfg.block_m}/n{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}"
-
 
 # ----------------------------------------------------------------------------------- report
-def us(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    v = seconds * 1e6
-    return f"{v:.1f}" if v < 1000 else f"{v:,.0f}"
-
-
 def progress_line(r: Row) -> str:
     return (f"{r.kernel:22s} M={r.m:<6d} triton {us(r.triton_s):>9s} us  ref {us(r.reference_s):>9s}  "
             f"torch {us(r.torch_s):>9s}  limit {us(r.limit_s):>8s} ({r.bound})  {r.pct_limit:.0%}  err {r.rel_err:.1e}")
@@ -768,36 +624,6 @@ def markdown(env: dict, ceil: Ceilings, bench: Bench, shapes_name: str) -> str:
             sum_pct = "-" if e["sum_pct_mem_limit"] is None else f"{e['sum_pct_mem_limit']:.0%}"
             lines.append(f"| {e['m']} | {us(e['sum_s'])} | {us(e['graph_s'])} | {us(e['mem_limit_s'])} "
                          f"| {us(e['limit_s'])} | **{e['pct_mem_limit']:.0%}** | {e['pct_limit']:.0%} | {sum_pct} |")
-    return "\n".join(lines)
-
-
-def tune_markdown(bench: Bench) -> str:
-    lines = ["## Tile-config sweep", "",
-             "| kernel | M | default | default µs | best | best µs | gain | best % of limit |",
-             "|---|---:|---|---:|---|---:|---:|---:|"]
-    for e in bench.tune:
-        lines.append(f"| {e['kernel']} | {e['m']} | {cfg_text(e['default'])} | {us(e['default_s'])} "
-                     f"| {cfg_text(e['best'])} | {us(e['best_s'])} | {e['default_s'] / e['best_s']:.2f}x "
-                     f"| {e['limit_s'] / e['best_s']:.0%} |")
-    # the tables are keyed by M only: the config with the least total time over the GEMMs of each M
-    lines += ["", "Best single config per M (sum over the FP8 GEMMs / the experts):", ""]
-    for table in ("decode", "moe"):
-        for m in sorted({e["m"] for e in bench.tune}):
-            entries = [e for e in bench.tune if e["m"] == m and (e["kernel"] == "moe.experts") == (table == "moe")]
-            totals: dict[str, float] = {}
-            ok = {}
-            for e in entries:
-                for c in e["configs"]:
-                    key = cfg_text(c["config"])
-                    if "s" in c:
-                        totals[key] = totals.get(key, 0.0) + c["s"]
-                        ok[key] = ok.get(key, 0) + 1
-            full = {k: v for k, v in totals.items() if ok[k] == len(entries)}
-            if not full:
-                continue
-            best = min(full, key=full.get)
-            default_total = sum(e["default_s"] for e in entries)
-            lines.append(f"* {table} M={m}: {best} total {us(full[best])} µs vs default {us(default_total)} µs")
     return "\n".join(lines)
 
 
@@ -888,7 +714,7 @@ def main(argv=None) -> int:
                     log(f"layer FP8 linears M={m}: graph {us(entry['graph_s'])} us, sum {us(entry['sum_s'])} us, "
                         f"memory limit {us(entry['mem_limit_s'])} us -> {entry['pct_mem_limit']:.0%}")
         if args.tune:
-            bench.run_tune([m for m in args.ms if m <= DECODE_MAX_M])
+            run_tune(bench, [m for m in args.ms if m <= DECODE_MAX_M])
     except CorrectnessError as exc:
         error = str(exc)
     finally:

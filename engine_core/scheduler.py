@@ -63,12 +63,10 @@ class Scheduler:
         self.live: dict[int, Sequence] = {}  # waiting or running, by seq_id
         self.by_request: dict[str, Sequence] = {}
         self.next_step_id = 0
-        self.num_preemptions = 0
         self.rank_preemptions = [0] * config.dp_size
         self.rank_tokens_scheduled = [0] * config.dp_size  # prefill and decode tokens planned, per rank
         # planned steps by their number of tokens (ITERATION_TOKEN_BUCKETS, then +Inf), for the metrics
         self.step_token_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
-        self.step_tokens_sum = 0
         # row of each sampling sequence in the last planned step, per rank: the prev_row of its
         # next decode input while that step's result is still on the device
         self._last_rows: dict[int, int] = {}
@@ -100,6 +98,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.live)
 
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.rank_preemptions)
+
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             running=sum(len(r.running) for r in self.ranks), waiting=len(self.waiting),
@@ -108,7 +110,7 @@ class Scheduler:
             state_slots_used=sum(r.slots.num_used for r in self.ranks),
             state_slots_total=sum(r.slots.capacity for r in self.ranks),
             preemptions=self.num_preemptions, step_token_counts=list(self.step_token_counts),
-            step_tokens_sum=self.step_tokens_sum,
+            step_tokens_sum=sum(self.rank_tokens_scheduled),
             rank_running=[len(r.running) for r in self.ranks],
             rank_kv_blocks_used=[r.blocks.num_used for r in self.ranks],
             rank_kv_blocks_total=[r.blocks.capacity for r in self.ranks],
@@ -127,9 +129,7 @@ class Scheduler:
         rank_tokens = [sum(len(step.token_ids) for step in rank_rows) for rank_rows in rows]
         for r, count in enumerate(rank_tokens):
             self.rank_tokens_scheduled[r] += count
-        tokens = sum(rank_tokens)
-        self.step_token_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
-        self.step_tokens_sum += tokens
+        self.step_token_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, sum(rank_tokens))] += 1
         self._last_rows = {step.seq_id: i for rank_rows in rows for i, step in enumerate(rank_rows) if step.sample}
         plan = StepPlan(self.next_step_id, is_prefill, [RankBatch(r) for r in rows], self._released)
         self._released = []
@@ -283,7 +283,6 @@ class Scheduler:
         if not seq.prompt_logprobs_done:
             seq.prompt_logprobs = None  # in-flight parts are dropped with the epoch: recompute all
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
 
     def _release(self, seq: Sequence, rank: RankState) -> None:
         rank.blocks.free(seq.block_table)

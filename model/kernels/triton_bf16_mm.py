@@ -26,8 +26,8 @@ import triton.language as tl
 from ..config import WeightFormat
 from .tile_configs import bf16_mm_config
 from .triton_common import INTERPRETED, to_bf16
+from .triton_weight_tiles import FORMAT_CODES
 
-FORMAT_CODES = {WeightFormat.FP8: 0, WeightFormat.BF16: 2}
 BLOCK_K = 64  # two scale blocks of 32 per step; fixed so every config sums K in the same steps
 
 

@@ -34,8 +34,8 @@ import triton.language as tl
 from ..config import WeightFormat
 from .tile_configs import DecodeConfig, decode_mm_config
 from .triton_common import INTERPRETED, quantize_groups_of_32, to_bf16
+from .triton_weight_tiles import FORMAT_CODES, weight_rows
 
-FORMAT_CODES = {WeightFormat.FP8: 0, WeightFormat.BF16: 2}
 # the decode form takes M <= this (one token tile); at M = 256 it measured slower than the
 # prefill form (the weight re-read per 64-token tile costs more than the split saves)
 MAX_TOKENS = 64
@@ -47,27 +47,6 @@ def _fp8_round_trip(a, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
     q, scale = quantize_groups_of_32(a.to(tl.float32), BLOCK_T, BLOCK_K)
     y = tl.reshape(q, (BLOCK_T, BLOCK_K // 32, 32)) * scale[:, :, None]
     return tl.reshape(y, (BLOCK_T, BLOCK_K)).to(tl.bfloat16)  # e4m3 times a power of two: exact
-
-
-@triton.jit
-def _weight_rows(w_ptr, s_ptr, offs_w, k0, N, K, stride_wn, stride_sn, B_FMT: tl.constexpr,
-                 BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The bf16 tile ``W[offs_w, k0:k0+BLOCK_K]`` ([BLOCK_W, BLOCK_K]) of a stored weight, scales
-    applied. FP8: one UE8M0 scale per 32x32 tile; ``k0`` is a multiple of 32."""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    mask = (offs_w[:, None] < N) & (offs_k[None, :] < K)
-    if B_FMT == 2:
-        tile = tl.load(w_ptr + offs_w[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
-    else:
-        raw = tl.load(w_ptr + offs_w[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0)
-        values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        blocks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        exponent = tl.load(s_ptr + (offs_w // 32)[:, None] * stride_sn + blocks[None, :],
-                           mask=(offs_w[:, None] < N) & (blocks[None, :] * 32 < K), other=0).to(tl.int32)
-        scale = (exponent << 23).to(tl.float32, bitcast=True)  # UE8M0 byte e -> 2**(e - 127)
-        tile = tl.reshape(values, (BLOCK_W, BLOCK_K // 32, 32)) * scale[:, :, None]
-        tile = tl.reshape(tile, (BLOCK_W, BLOCK_K)).to(tl.bfloat16)  # exact: e4m3 times a power of two
-    return tile
 
 
 @triton.jit
@@ -90,7 +69,8 @@ def _decode_mm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
                     mask=(offs_t[:, None] < M) & (offs_k[None, :] < K), other=0.0)
         if QUANT_A:
             a = _fp8_round_trip(a, BLOCK_T, BLOCK_K)
-        w = _weight_rows(w_ptr, s_ptr, offs_w, k0, N, K, stride_wn, stride_sn, B_FMT, BLOCK_W, BLOCK_K)
+        w = weight_rows(w_ptr, s_ptr, offs_w, k0, N, K, stride_wn, stride_sn, B_FMT, BLOCK_W, BLOCK_K,
+                        False, EXACT_DOT)
         if EXACT_DOT:  # the interpreter multiplies 16-bit dot operands wrongly; fp32 gives the same exact products
             acc = tl.dot(w.to(tl.float32), tl.trans(a).to(tl.float32), acc, input_precision="ieee")
         else:

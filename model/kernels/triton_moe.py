@@ -36,7 +36,8 @@ import triton.language as tl
 
 from .tile_configs import moe_config
 from .triton_common import INTERPRETED, quantize_groups_of_32, to_bf16
-from .triton_scaled_mm import FORMAT_CODES, act_quant_bf16, e2m1_bytes_to_fp16
+from .triton_scaled_mm import act_quant_bf16
+from .triton_weight_tiles import FORMAT_CODES, weight_rows
 from .weights import ExpertWeights
 
 BLOCK_K = 128  # K columns per step, fixed for batch invariance (the experts' widths are multiples of 32)
@@ -53,37 +54,6 @@ def _block_rows(block_expert_ptr, block_index_ptr, expert_start_ptr, expert_coun
     row_mask = rows < count
     pairs = tl.load(sorted_pair_ptr + tl.load(expert_start_ptr + safe) + rows, mask=row_mask, other=0)
     return expert, row_mask, pairs
-
-
-@triton.jit
-def _weight_rows(w_ptr, s_ptr, offs_w, k0, N, K, stride_wn, stride_sn, B_FMT: tl.constexpr, BLOCK_W: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRETED: tl.constexpr):
-    """bf16 ``[BLOCK_W, BLOCK_K]``: weight rows ``offs_w``, columns ``k0..``, scales applied (exact:
-    e4m3 or e2m1 times a power of two). FP8: one UE8M0 scale per 32x32 tile; FP4: one per row and
-    32 columns. ``EVEN_K``: K is a multiple of BLOCK_K, so no column mask, which would cut the loads
-    into single bytes that the compiler cannot stream ahead."""
-    row_mask = offs_w[:, None] < N
-    if B_FMT == 0:
-        cols = k0 + tl.arange(0, BLOCK_K)
-        raw = tl.load(w_ptr + offs_w[:, None] * stride_wn + cols[None, :],
-                      mask=row_mask if EVEN_K else row_mask & (cols[None, :] < K), other=0)
-        values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        scale_rows = offs_w // 32
-        bias = 0
-    else:
-        cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        raw = tl.load(w_ptr + offs_w[:, None] * stride_wn + cols[None, :],
-                      mask=row_mask if EVEN_K else row_mask & (cols[None, :] * 2 < K), other=0)
-        low, high = e2m1_bytes_to_fp16(raw, INTERPRETED)
-        values = tl.reshape(tl.join(low, high), (BLOCK_W, BLOCK_K)).to(tl.float32)  # low nibble first
-        scale_rows = offs_w
-        bias = 14  # the fp16 form is the e2m1 value times 2**-14
-    blocks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    exponents = tl.load(s_ptr + scale_rows[:, None] * stride_sn + blocks[None, :],
-                        mask=row_mask if EVEN_K else row_mask & (blocks[None, :] * 32 < K), other=0).to(tl.int32)
-    scale = ((exponents + bias) << 23).to(tl.float32, bitcast=True)  # UE8M0 byte e -> 2**(e - 127)
-    tile = tl.reshape(values, (BLOCK_W, BLOCK_K // 32, 32)) * scale[:, :, None]
-    return tl.reshape(tile, (BLOCK_W, BLOCK_K)).to(tl.bfloat16)
 
 
 @triton.jit
@@ -117,10 +87,10 @@ def _gate_up_kernel(x_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_ptr, exp
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + tokens[:, None] * stride_x + offs_k[None, :],
                     mask=row_mask[:, None] & (offs_k[None, :] < D), other=0.0)  # [BLOCK_T, BLOCK_K]
-        w1 = _weight_rows(w1_ptr, s1_ptr, offs_w, k0, INTER, D, stride_wn, stride_sn, B_FMT, BLOCK_W, BLOCK_K,
+        w1 = weight_rows(w1_ptr, s1_ptr, offs_w, k0, INTER, D, stride_wn, stride_sn, B_FMT, BLOCK_W, BLOCK_K,
                           EVEN_K, INTERPRETED)
         gate = _dot(gate, w1, tl.trans(a), INTERPRETED)
-        w3 = _weight_rows(w3_ptr, s3_ptr, offs_w, k0, INTER, D, stride_wn, stride_sn, B_FMT, BLOCK_W, BLOCK_K,
+        w3 = weight_rows(w3_ptr, s3_ptr, offs_w, k0, INTER, D, stride_wn, stride_sn, B_FMT, BLOCK_W, BLOCK_K,
                           EVEN_K, INTERPRETED)
         up = _dot(up, w3, tl.trans(a), INTERPRETED)
     gate = to_bf16(gate, INTERPRETED).to(tl.float32)  # the reference's w1(x) and w3(x) are bf16
@@ -157,7 +127,7 @@ def _down_kernel(h_ptr, out_ptr, sorted_pair_ptr, expert_start_ptr, expert_count
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(h_ptr + rows[:, None] * stride_h + offs_k[None, :],
                     mask=row_mask[:, None] & (offs_k[None, :] < INTER), other=0.0)
-        w2 = _weight_rows(w2_ptr, s2_ptr, offs_w, k0, D, INTER, stride_wn, stride_sn, B_FMT, BLOCK_W, BLOCK_K,
+        w2 = weight_rows(w2_ptr, s2_ptr, offs_w, k0, D, INTER, stride_wn, stride_sn, B_FMT, BLOCK_W, BLOCK_K,
                           EVEN_K, INTERPRETED)
         acc = _dot(acc, w2, tl.trans(a), INTERPRETED)
     tl.store(out_ptr + pairs[None, :].to(tl.int64) * stride_out + offs_w[:, None], to_bf16(acc, INTERPRETED),

@@ -30,8 +30,7 @@ import triton.language as tl
 from ..config import WeightFormat
 from .tile_configs import scaled_mm_config
 from .triton_common import INTERPRETED, quantize_groups_of_32, to_bf16
-
-FORMAT_CODES = {WeightFormat.FP8: 0, WeightFormat.FP4: 1}
+from .triton_weight_tiles import FORMAT_CODES, e2m1_bytes_to_fp16
 
 
 @triton.jit
@@ -51,54 +50,6 @@ def weight_block(w_ptr, offs_w, k0, N, stride_wn, B_FMT: tl.constexpr, BLOCK_W: 
                   other=0)
     low, high = e2m1_bytes_to_fp16(raw, INTERPRETED)
     return tl.reshape(tl.join(low, high), (BLOCK_W, 32))  # low nibble first
-
-
-@triton.jit
-def e2m1_bytes_to_fp16(raw, INTERPRETED: tl.constexpr):
-    """uint8 tensor of packed e2m1 pairs -> (fp16 of the low nibbles, fp16 of the high nibbles), each
-    the e2m1 value times 2**-14 (see ``weight_block``)."""
-    if INTERPRETED:  # no inline assembly in the interpreter: the same bits with tensor operations
-        raw = raw.to(tl.int32)
-        low = (((raw & 8) << 12) | ((raw & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
-        high = (((raw & 0x80) << 8) | ((raw & 0x70) << 5)).to(tl.int16).to(tl.float16, bitcast=True)
-    else:
-        low, high = _e2m1_nibbles_ptx(raw)
-    return low, high
-
-
-def _e2m1_pair_ptx(selector: str, low_out: str, high_out: str) -> str:
-    """PTX for two bytes of the packed input ($4): a byte permute puts them in the two 16-bit lanes
-    of a register; then each lane's low nibble goes to ``low_out`` and its high nibble to
-    ``high_out``, sign bit to bit 15 and magnitude bits to bits 11..9."""
-    return f"""
-        prmt.b32 t, $4, 0, {selector};
-        shl.b32 a, t, 12;
-        and.b32 a, a, 0x80008000;
-        shl.b32 b, t, 9;
-        and.b32 b, b, 0x0E000E00;
-        or.b32 {low_out}, a, b;
-        shl.b32 a, t, 8;
-        and.b32 a, a, 0x80008000;
-        shl.b32 b, t, 5;
-        and.b32 b, b, 0x0E000E00;
-        or.b32 {high_out}, a, b;"""
-
-
-# bytes 0,1 -> $0 (low nibbles) and $2 (high nibbles); bytes 2,3 -> $1 and $3
-_E2M1_PTX = tl.constexpr("{ .reg .b32 t, a, b;" + _e2m1_pair_ptx("0x4140", "$0", "$2")
-                         + _e2m1_pair_ptx("0x4342", "$1", "$3") + " }")
-
-
-@triton.jit
-def _e2m1_nibbles_ptx(raw):
-    """uint8 tensor -> (fp16 of its low nibbles, fp16 of its high nibbles), each e2m1 code
-    (s, e1 e0, m) placed in fp16's sign bit and bits 11..9: the e2m1 value times 2**-14.
-
-    Inline PTX, 4 bytes per call, five instructions per pair of values (``_e2m1_pair_ptx``): fewer
-    than the compiler makes of the same bit operations on tensors, which it also surrounds with
-    byte shuffles to interleave the nibbles."""
-    return tl.inline_asm_elementwise(asm=_E2M1_PTX, constraints="=r,=r,=r,=r,r", args=[raw],
-                                     dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
 
 @triton.jit

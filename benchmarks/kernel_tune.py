@@ -1,0 +1,148 @@
+"""The tile-config sweep of ``benchmarks/kernels.py --tune``: every candidate config of the decode
+form of the FP8 linears and of the experts' kernels, timed at the decode sizes on the real shapes,
+by overriding ``model.kernels.tile_configs``'s tables for the duration of each measurement (see
+the docstring of ``benchmarks/kernels.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+from dataclasses import asdict
+
+import torch
+
+from benchmarks.device_limits import log
+from benchmarks.kernel_checks import MAX_REL_ERR, CorrectnessError, input_sets, limit_of, linear_bytes, rel_err, us
+
+
+def _tables():
+    # imported when first called: benchmarks/kernels.py sets TRITON_INTERPRET before that where needed
+    from model.kernels import tile_configs
+
+    return tile_configs
+
+
+def run_tune(bench, ms: list[int]) -> None:
+    """Sweep the tile configs at the decode sizes ``ms``; appends one entry per (kernel, M) to ``bench.tune``."""
+    # FP8 linears at M <= 64: the decode form's configs (triton_decode_mm; the split changes the
+    # summation order, so outputs are compared within tolerance). Experts: the weight rows stay on
+    # the tensor cores' 64-row side (batch invariance) (outputs compared bit for bit).
+    tables = _tables()
+    decode_cfgs = [tables.DecodeConfig(bw, bk, bw // 16, st, pps) for bw in (64, 128) for bk in (128, 256)
+                   for st in (3, 4) for pps in (2, 4, 8)]
+    moe_cfgs = [tables.TileConfig(bm, bn, warps, st) for bm in (16, 32) for bn in (64, 128) for warps in (4, 8)
+                for st in (2, 3, 4)]
+    if bench.args.tiny:
+        decode_cfgs, moe_cfgs = decode_cfgs[1::5], moe_cfgs[1::5]  # the logic, not the numbers
+    budget = (bench.budget_fast[0] * 0.4, bench.budget_fast[1], bench.budget_fast[2])
+    for m in ms:
+        if m <= bench.tk_decode_max:
+            for spec in bench.specs:
+                ws = bench.weights[spec.name]
+                nx = input_sets(m, spec.groups * spec.k * 2, True)
+                shape = (m, spec.groups, spec.k) if spec.groups > 1 else (m, spec.k)
+                xs = [torch.randn(shape, device=bench.device, generator=bench.gen).to(torch.bfloat16)
+                      for _ in range(nx)]
+                fn = bench.tk.grouped_dequantized_linear if spec.groups > 1 else bench.tk.quantized_linear
+                nbytes, flops = linear_bytes(spec, m, ws[0])
+                limit_s = limit_of(nbytes, flops, bench.ceil)[2]
+                default = tables.decode_mm_config(m)
+                _sweep(bench, spec.name, m, limit_s, default, decode_cfgs, "decode",
+                       lambda i: fn(xs[i % nx], ws[i % len(ws)]), budget)
+                del xs
+        sets = bench.routing_sets(m, 8)
+        hit = statistics.mean(int(torch.unique(st[2]).numel()) for st in sets)
+        pairs = m * bench.s.top_k
+        nbytes = hit * bench.expert_bytes() + m * bench.s.dim * 2 + pairs * bench.s.dim * 2
+        limit_s = limit_of(nbytes, 6.0 * pairs * bench.s.inter * bench.s.dim, bench.ceil)[2]
+        default = tables.moe_config(pairs / bench.s.experts)
+        _sweep(bench, "moe.experts", m, limit_s, default, moe_cfgs, "moe",
+               lambda i: bench.tk.expert_outputs(*sets[i % len(sets)], bench.experts), budget)
+        del sets
+        bench._cleanup(big=False)
+
+
+def _sweep(bench, name, m, limit_s, default, cfgs, table, call, budget) -> None:
+    base = call(0)
+    base_s = bench.measure_triton(call, budget, True).median_s
+    entry = {"kernel": name, "m": m, "default": asdict(default), "default_s": base_s, "limit_s": limit_s,
+             "configs": []}
+    best = (base_s, default)
+    for cfg in cfgs:
+        with override_tables(**{table: cfg}):
+            try:
+                out = call(0)
+                t = bench.measure_triton(call, budget, True).median_s
+            except Exception as exc:  # e.g. out of shared memory
+                entry["configs"].append({"config": asdict(cfg), "error": f"{type(exc).__name__}: {exc}"[:200]})
+                continue
+        if table == "decode":  # another split: another summation order
+            err = rel_err(out, base)
+            entry["configs"].append({"config": asdict(cfg), "s": t, "rel_err_to_default": err})
+            if not err <= MAX_REL_ERR:
+                raise CorrectnessError(f"{name} M={m} {cfg}: differs from the default config by {err:.2e}")
+        else:
+            same = bool(torch.equal(out, base))
+            entry["configs"].append({"config": asdict(cfg), "s": t, "bitwise_equal_to_default": same})
+            if not same:
+                log(f"  note: {name} M={m} {cfg} output differs bitwise from the default config's")
+        if t < best[0]:
+            best = (t, cfg)
+    entry["best"], entry["best_s"] = asdict(best[1]), best[0]
+    log(f"tune {name:22s} M={m:<5d} default {base_s * 1e6:8.1f} us -> best {best[0] * 1e6:8.1f} us "
+        f"{cfg_text(best[1])} ({limit_s / best[0]:.0%} of limit)")
+    bench.tune.append(entry)
+
+
+@contextlib.contextmanager
+def override_tables(moe=None, decode=None):
+    """Every M takes ``moe`` / ``decode`` while inside (the tables are read at each call)."""
+    tables = _tables()
+    saved = tables._MOE_TABLE, tables._DECODE_MM_TABLE
+    try:
+        if moe is not None:
+            tables._MOE_TABLE = ((1 << 62, moe),)
+        if decode is not None:
+            tables._DECODE_MM_TABLE = ((1 << 62, decode),)
+        yield
+    finally:
+        tables._MOE_TABLE, tables._DECODE_MM_TABLE = saved
+
+
+def cfg_text(cfg) -> str:
+    tables = _tables()
+    if isinstance(cfg, dict):
+        cfg = (tables.DecodeConfig if "block_w" in cfg else tables.TileConfig)(**cfg)
+    if isinstance(cfg, tables.DecodeConfig):
+        return f"w{cfg.block_w}/k{cfg.block_k}/warps{cfg.num_warps}/s{cfg.num_stages}/pps{cfg.programs_per_sm}"
+    return f"m{cfg.block_m}/n{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}"
+
+
+def tune_markdown(bench) -> str:
+    lines = ["## Tile-config sweep", "",
+             "| kernel | M | default | default µs | best | best µs | gain | best % of limit |",
+             "|---|---:|---|---:|---|---:|---:|---:|"]
+    for e in bench.tune:
+        lines.append(f"| {e['kernel']} | {e['m']} | {cfg_text(e['default'])} | {us(e['default_s'])} "
+                     f"| {cfg_text(e['best'])} | {us(e['best_s'])} | {e['default_s'] / e['best_s']:.2f}x "
+                     f"| {e['limit_s'] / e['best_s']:.0%} |")
+    # the tables are keyed by M only: the config with the least total time over the GEMMs of each M
+    lines += ["", "Best single config per M (sum over the FP8 GEMMs / the experts):", ""]
+    for table in ("decode", "moe"):
+        for m in sorted({e["m"] for e in bench.tune}):
+            entries = [e for e in bench.tune if e["m"] == m and (e["kernel"] == "moe.experts") == (table == "moe")]
+            totals: dict[str, float] = {}
+            ok = {}
+            for e in entries:
+                for c in e["configs"]:
+                    key = cfg_text(c["config"])
+                    if "s" in c:
+                        totals[key] = totals.get(key, 0.0) + c["s"]
+                        ok[key] = ok.get(key, 0) + 1
+            full = {k: v for k, v in totals.items() if ok[k] == len(entries)}
+            if not full:
+                continue
+            best = min(full, key=full.get)
+            default_total = sum(e["default_s"] for e in entries)
+            lines.append(f"* {table} M={m}: {best} total {us(full[best])} µs vs default {us(default_total)} µs")
+    return "\n".join(lines)
