@@ -115,21 +115,21 @@ class Attention:
         last = (layout.end - layout.start - 1).unsqueeze(-1)
         in_chunk = window.positions >= start
         from_chunk = kv[offset + (window.positions - start).clamp(min=0).minimum(last)]
-        from_ring = cache.window[self.role.layer_id][layout.slot.unsqueeze(-1), window.positions.clamp(min=0) % win]
+        from_ring = cache.read_window(self.role.layer_id, layout.slot.unsqueeze(-1), window.positions.clamp(min=0) % win)
         window_rows = torch.where(in_chunk.unsqueeze(-1), from_chunk, from_ring)
         selection = compressed_rows = None
         if self.role.compress_ratio:
             selection = state.selections[self.role.topk_source]
             blocks, rows = cache.entry_rows_batched(self.role.kv_source, layout.block_tables,
                                                     layout.seq.unsqueeze(-1), selection.entries)
-            compressed_rows = cache.compressed_kv[self.role.kv_source][blocks, rows]
+            compressed_rows = cache.read_compressed_kv(self.role.kv_source, blocks, rows)
         return join_lists(window, window_rows, selection, compressed_rows, self.reference_layout)
 
     def _write_window(self, kv: torch.Tensor, batch: ForwardBatch, cache: V41Cache) -> None:
         """Keep the last ``window`` positions of every chunk in its sequence's ring (row = pos % W)."""
         win, layout, pos = self.cfg.sliding_window, batch.layout, batch.positions
         keep = pos >= layout.end - win
-        cache.window[self.role.layer_id][layout.slot[keep], pos[keep] % win] = kv[keep]
+        cache.write_window(self.role.layer_id, layout.slot[keep], pos[keep] % win, kv[keep])
 
     def _grouped_output(self, o: torch.Tensor) -> torch.Tensor:
         """[T, H, D] -> [T, groups * o_lora_rank]: each group of heads through its own slice of wo_a."""

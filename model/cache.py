@@ -97,6 +97,30 @@ class V41Cache:
                  block_size: int = DEFAULT_BLOCK_SIZE, device: torch.device | str = "cpu") -> "V41Cache":
         return cls(cfg, CacheGeometry(block_size, num_blocks, num_slots), device)
 
+    # ------------------------------------------------------------------ values in, values out
+    # The model reads and writes cache values only through these methods, so how the values are
+    # stored (their byte layout) is this class's business alone.
+    def read_window(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Window KV rows ``[..., head_dim]`` bf16 at (slot, ring row) pairs of broadcastable shapes."""
+        return self.window[layer][slots, rows]
+
+    def write_window(self, layer: int, slots: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+        self.window[layer][slots, rows] = values
+
+    def read_compressed_kv(self, layer: int, blocks: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Compressed KV entries ``[..., head_dim]`` bf16 at (block, row) pairs."""
+        return self.compressed_kv[layer][blocks, rows]
+
+    def read_index_keys(self, layer: int, blocks: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Index keys ``[..., index_head_dim]`` bf16 at (block, row) pairs."""
+        return self.index_keys[layer][blocks, rows]
+
+    def write_entries(self, layer: int, blocks: torch.Tensor, rows: torch.Tensor, kv: torch.Tensor,
+                      keys: torch.Tensor) -> None:
+        """New compressed entries of ``layer``: their KV and index keys (already through their round trips)."""
+        self.compressed_kv[layer][blocks, rows] = kv
+        self.index_keys[layer][blocks, rows] = keys
+
     def entry_rows_batched(self, layer: int, block_tables: torch.Tensor, seq: torch.Tensor,
                            entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, row) of entries ``entries`` of sequences ``seq`` (broadcastable), given the batch's

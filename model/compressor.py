@@ -51,8 +51,7 @@ class Compressor:
         rope.rotate_(kv[:, -self.rope_dims:], entry_positions)
         kv = fp4_qdq(kv, 16, e4m3_scale=True)
         blocks, rows = cache.entry_rows_batched(self.layer_id, batch.layout.block_tables, seq_of_entry, entry_ids)
-        cache.compressed_kv[self.layer_id][blocks, rows] = kv
-        cache.index_keys[self.layer_id][blocks, rows] = keys
+        cache.write_entries(self.layer_id, blocks, rows, kv, keys)
 
     def latents(self, x: torch.Tensor, batch: ForwardBatch, cache: V41Cache):
         """Pre-RoPE latents of every group closed in this forward, with their sequence and entry id.

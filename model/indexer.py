@@ -185,7 +185,7 @@ class Indexer:
         keys = None
         for key_layer in sorted(set(key_layers)):
             blocks, rows = cache.entry_rows_batched(key_layer, layout.block_tables, seqs.unsqueeze(-1), entries)
-            gathered = cache.index_keys[key_layer][blocks, rows]
+            gathered = cache.read_index_keys(key_layer, blocks, rows)
             if keys is None:
                 keys = gathered
             else:
