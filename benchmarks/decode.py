@@ -126,8 +126,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="model directory (config.json + tokenizer); default: written from --preset")
     parser.add_argument("--preset", default="v41-flash-L8")
-    parser.add_argument("--kernels", default="triton,triton-bi,reference",
-                        help="backends to run; a -bi suffix turns --batch-invariant on for that run")
+    parser.add_argument("--kernels", default="triton,triton-eager,reference",
+                        help="backends to run; suffixes: -bi turns --batch-invariant on, -eager turns CUDA graphs "
+                             "off (--enforce-eager) for that run")
     parser.add_argument("--batch", default="1,8,32,128,256")
     parser.add_argument("--context", type=int, default=64, help="prompt tokens per sequence")
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per batch")
@@ -153,7 +154,8 @@ def main() -> int:
     batches = [int(b) for b in args.batch.split(",")]
     rows = []
     for variant in args.kernels.split(","):
-        kernels, batch_invariant = variant.removesuffix("-bi"), variant.endswith("-bi")
+        kernels, *suffixes = variant.split("-")
+        batch_invariant, eager = "bi" in suffixes, "eager" in suffixes
         runnable = [b for b in batches if kernels != "reference" or b <= args.reference_max_batch]
         if not runnable:
             continue
@@ -163,6 +165,7 @@ def main() -> int:
         before = torch.cuda.memory_allocated()
         started = time.perf_counter()
         llm = LLM(args.model, device=device, kernels=kernels, batch_invariant=batch_invariant, load_format="dummy",
+                  enforce_eager=eager,
                   max_num_seqs=max(runnable),
                   max_num_batched_tokens=max(2048, args.context * 8), max_model_len=args.context + steps + 8,
                   gpu_memory_utilization=0.85)

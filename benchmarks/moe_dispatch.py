@@ -15,6 +15,10 @@ uniform routing), the script times
 * ``dispatch``: the layer with ``ExpertParallelDispatcher`` at world size 1, the step's tokens
   announced (``set_step_tokens(n)``, what a worker does from the step plan): exchanges of n
   records, i.e. what the dispatch path itself costs;
+* ``dispatch + expert map``: the same with the expert load balancer's map installed
+  (``workers/expert_load.LayerExpertMap``, not the static identity shortcut): each (token, expert)
+  pair is mapped to a slot through the replica table and counted on the device, as with
+  ``--num-redundant-experts`` or ``--eplb-step-interval``: what the load accounting costs per layer;
 * ``dispatch, worst case``: the same without the announcement: exchanges sized for the worst case
   of ``--max-num-seqs`` / ``--max-num-batched-tokens`` (the static size a CUDA graph would hold if
   it were captured once for every batch);
@@ -127,7 +131,9 @@ def zero_experts(rows: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor) -> 
 
 def run(args) -> dict:
     from workers.expert_capacity import ExpertCapacity
+    from workers.expert_load import LayerExpertMap
     from workers.expert_parallel import ExpertParallelDispatcher
+    from workers.expert_placement import ExpertPlacement
 
     device = torch.device(args.device)
     if device.type == "cpu" and args.kernels == "triton":
@@ -141,6 +147,9 @@ def run(args) -> dict:
     capacity = ExpertCapacity.plan(args.max_num_seqs, args.max_num_batched_tokens, world_size=1,
                                    num_experts=cfg.num_routed_experts, top_k=cfg.num_experts_per_token)
     dispatcher = ExpertParallelDispatcher(0, 1, cfg.num_routed_experts, capacity=capacity)
+    expert_map = LayerExpertMap(ExpertPlacement.contiguous(1, cfg.num_routed_experts, 1), 0, 0,
+                                torch.zeros(cfg.num_routed_experts, dtype=torch.long, device=device),
+                                torch.zeros(cfg.num_routed_experts, dtype=torch.long, device=device), static=False)
     timer = Timer(device)
     gen = torch.Generator(device=device).manual_seed(0)
     rows, exact = [], True
@@ -148,10 +157,11 @@ def run(args) -> dict:
         xs = [torch.randn(n, cfg.hidden_size, device=device, generator=gen).to(torch.bfloat16)
               for _ in range(args.input_sets)]
 
-        def layer(announce: int | None, with_dispatcher: bool = True):
+        def layer(announce: int | None, with_dispatcher: bool = True, with_map: bool = False):
             def call(i: int):
                 dispatcher.set_step_tokens(announce)
                 moe.dispatcher = dispatcher if with_dispatcher else None
+                moe.expert_map = expert_map if with_map else None
                 return moe(xs[i % len(xs)])
             return call
 
@@ -163,19 +173,19 @@ def run(args) -> dict:
 
         local = layer(None, with_dispatcher=False)(0)
         dispatched = layer(n)(0)
-        same = torch.equal(local, dispatched)
+        same = torch.equal(local, dispatched) and torch.equal(local, layer(n, with_map=True)(0))
         must_match = args.kernels == "triton" or args.batch_invariant
         exact = exact and (same or not must_match)
         row = dict(tokens=n, bit_exact=same)
         variants = [("local_ms", layer(None, with_dispatcher=False)), ("dispatch_ms", layer(n)),
-                    ("exchange_only_ms", exchange_only)]
+                    ("dispatch_expert_map_ms", layer(n, with_map=True)), ("exchange_only_ms", exchange_only)]
         if n <= capacity.worst_case:
             variants.insert(2, ("dispatch_worst_case_ms", layer(None)))
         for key, call in variants:
             timing = timer.measure(call, args.budget, min_reps=5, max_reps=2000)
             row[key] = timing.median_s * 1e3
             log(f"n={n:5d} {key:24s} {timing.median_s * 1e3:9.3f} ms ({timing.reps} reps)")
-        moe.dispatcher = None
+        moe.dispatcher = moe.expert_map = None
         row["dispatch_overhead_pct"] = 100.0 * (row["dispatch_ms"] / row["local_ms"] - 1.0)
         rows.append(row)
     dist.destroy_process_group()
@@ -196,12 +206,13 @@ def markdown(result: dict) -> str:
              f"inter {c['moe_intermediate']}) on {c['device']}, {c['kernels']} kernels, batch invariant "
              f"{c['batch_invariant']}, world size 1 ({c['backend']}), torch {c['torch']}; worst-case capacity "
              f"{c['worst_case_tokens_per_peer']} tokens; {c['timing']}.", "",
-             "| tokens | local (ms) | dispatch (ms) | overhead | dispatch, worst case (ms) | exchange only (ms) | "
-             "bit-exact |", "|---|---|---|---|---|---|---|"]
+             "| tokens | local (ms) | dispatch (ms) | overhead | + expert map (ms) | dispatch, worst case (ms) | "
+             "exchange only (ms) | bit-exact |", "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         worst = f"{r['dispatch_worst_case_ms']:.3f}" if "dispatch_worst_case_ms" in r else "-"
         lines.append(f"| {r['tokens']} | {r['local_ms']:.3f} | {r['dispatch_ms']:.3f} | "
-                     f"{r['dispatch_overhead_pct']:+.1f}% | {worst} | {r['exchange_only_ms']:.3f} | "
+                     f"{r['dispatch_overhead_pct']:+.1f}% | {r['dispatch_expert_map_ms']:.3f} | {worst} | "
+                     f"{r['exchange_only_ms']:.3f} | "
                      f"{'yes' if r['bit_exact'] else 'NO'} |")
     return "\n".join(lines)
 

@@ -92,11 +92,18 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def _process_name(args: argparse.Namespace) -> str:
+    """The label of this process's log lines: the command, "frontend" for serve, "node-R" for a headless node."""
+    if args.command_name != "serve":
+        return args.command_name
+    return f"node-{args.node_rank}" if getattr(args, "headless", False) else "frontend"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from engine_core.log_setup import configure_logging
 
-    configure_logging(args.log_level, "frontend" if args.command_name == "serve" else args.command_name)
+    configure_logging(args.log_level, _process_name(args))
     try:
         return int(args.run(args) or 0)
     except (ValueError, FileExistsError, FileNotFoundError) as exc:  # configuration and input errors

@@ -5,7 +5,8 @@
 #   deploy/launch_node.sh /path/to/checkpoint [extra `mini-deepinfer serve` flags...]
 #
 # Environment: HOST (default 0.0.0.0), PORT (8000), NUM_GPUS (default: all visible GPUs),
-# API_KEY (optional bearer token).
+# API_KEY (optional bearer token). Across several nodes: deploy/launch_head.sh on node 0 and
+# deploy/launch_worker_node.sh on every other node (README, Multi-node).
 set -euo pipefail
 model=${1:?usage: deploy/launch_node.sh CHECKPOINT_DIR [serve flags...]}; shift
 gpus=${NUM_GPUS:-$(nvidia-smi -L | wc -l)}

@@ -32,6 +32,23 @@ class EngineConfig:
     dp_size: int = field(default=1, metadata=flag(
         "data-parallel ranks: one worker process per GPU or CPU rank; the routed experts are sharded over them",
         names=("--data-parallel-size", "-dp", "--dp"), metavar="N"))
+    nnodes: int = field(default=1, metadata=flag(
+        "nodes the --dp ranks are spread over, dp / nnodes on each: node 0 runs the frontend and the engine "
+        "core, every other node `serve --headless` (README, Multi-node)", metavar="N"))
+    node_rank: int = field(default=0, metadata=flag("this node's index, 0 .. --nnodes - 1", metavar="R"))
+    headless: bool = field(default=False, metadata=flag(
+        "run only this node's workers (a node with --node-rank > 0): no frontend, no engine core"))
+    master_addr: str = field(default="127.0.0.1", metadata=flag(
+        "node 0's address as every node reaches it; the engine core listens there (with --nnodes > 1)",
+        names=("--master-addr", "--data-parallel-address"), metavar="HOST"))
+    master_port: int = field(default=29500, metadata=flag(
+        "first of node 0's three ports: P torch.distributed rendezvous, P+1 step plans, P+2 results",
+        names=("--master-port", "--data-parallel-rpc-port"), metavar="P"))
+    cluster_key_file: str | None = field(default=None, metadata=flag(
+        "file holding a secret of >= 32 characters that every node shares; the CURVE keys of the links "
+        "between nodes are derived from it", metavar="FILE", default_help="required with --nnodes > 1"))
+    join_timeout: float = field(default=300.0, metadata=flag(
+        "seconds the engine core waits for every rank of every node to connect (with --nnodes > 1)"))
     max_num_seqs: int = field(default=64, metadata=flag("running sequences per DP rank"))
     max_num_batched_tokens: int = field(default=512, metadata=flag("prefill tokens per step per DP rank"))
     max_model_len: int | None = field(default=None, metadata=flag(
@@ -78,16 +95,45 @@ class EngineConfig:
         "token rows one rank may send another per MoE layer, as a multiple of the mean under uniform "
         "routing; rows beyond it take a second, slower exchange (counted, never dropped)",
         default_help="the worst case: no second exchange ever"))
+    num_redundant_experts: int = field(default=0, metadata=flag(
+        "extra copies of routed experts per MoE layer, spread over the DP ranks and given to the most loaded "
+        "experts (docs/expert-load-balance.md); the experts plus these must split evenly over the ranks",
+        metavar="N"))
+    eplb_stats_file: str | None = field(default=None, metadata=flag(
+        "expert-load statistics (JSON): read at startup to place the experts by their load, written back with "
+        "the routed-token counts of this run added (every few minutes and at shutdown)", metavar="PATH",
+        default_help="none: contiguous placement (or uniform, with redundant experts)"))
+    eplb_step_interval: int | None = field(default=None, metadata=flag(
+        "rebalance the experts while serving every N steps, from the loads counted since the previous "
+        "rebalance (expert weights move between ranks between two steps)", metavar="N",
+        default_help="never: the startup placement stays"))
     engram_storage: str | None = field(default=None, metadata=flag(
         "where the Engram tables live: gpu, or host (pinned memory, rows gathered by the GPU)",
         choices=("gpu", "host"), default_help="gpu when every weight fits in 80% of free GPU memory, else host"))
     enforce_eager: bool = field(default=False, metadata=flag(
-        "never capture CUDA graphs; accepted for vLLM compatibility: the engine captures none yet, so today "
-        "every step runs eagerly either way"))
+        "never capture CUDA graphs: every step runs eagerly (on cuda, decode steps otherwise replay graphs)"))
+    cuda_graph_sizes: tuple[int, ...] | None = field(default=None, metadata=flag(
+        "decode batch sizes captured as CUDA graphs; a decode step of n sequences replays the smallest "
+        "size >= n, padded", metavar="N", default_help="1 2 4 8, then every 8 up to --max-num-seqs"))
+    max_seq_len_to_capture: int = field(default=8192, metadata=flag(
+        "longest context (tokens) a CUDA-graph decode step covers; a step with a longer sequence runs eagerly"))
 
     @property
     def resolved_batch_invariant(self) -> bool:
         return self.device == "cpu" if self.batch_invariant is None else self.batch_invariant
+
+    @property
+    def cuda_graphs_off_reason(self) -> str | None:
+        """Why decode steps run eagerly, or None when they replay CUDA graphs (workers/cuda_graphs.py)."""
+        if self.device != "cuda":
+            return "not on cuda"
+        if self.enforce_eager:
+            return "--enforce-eager"
+        if self.resolved_kernels != "triton":
+            return "the reference kernels read expert counts back to the host"
+        if self.official_index_handoff:
+            return "--official-index-handoff picks key layers on the host"
+        return None
 
     @property
     def resolved_kernels(self) -> str:
@@ -106,6 +152,10 @@ class EngineConfig:
                      "cpu_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1):
+            raise ValueError("--cuda-graph-sizes must list batch sizes >= 1")
+        if self.max_seq_len_to_capture < 1:
+            raise ValueError("--max-seq-len-to-capture must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be >= 2")
         if self.max_queued_requests < 0:
@@ -120,10 +170,39 @@ class EngineConfig:
             raise ValueError("--cpu-kv-cache-gb must be > 0")
         if self.expert_capacity_factor is not None and not self.expert_capacity_factor > 0:
             raise ValueError("--expert-capacity-factor must be > 0")
+        if self.num_redundant_experts < 0:
+            raise ValueError("--num-redundant-experts must be >= 0")
+        if self.eplb_step_interval is not None and self.eplb_step_interval < 1:
+            raise ValueError("--eplb-step-interval must be >= 1")
+        if self.dp_size == 1 and (self.num_redundant_experts or self.eplb_step_interval):
+            raise ValueError("--num-redundant-experts and --eplb-step-interval need --data-parallel-size > 1 "
+                             "(one rank holds every expert: there is nothing to balance)")
         if self.engram_storage not in (None, "gpu", "host"):
             raise ValueError(f"--engram-storage must be gpu or host, got {self.engram_storage!r}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError("--seed must be in [0, 2**63)")
+        self._check_nodes()
+
+    def _check_nodes(self) -> None:
+        if self.nnodes < 1:
+            raise ValueError("--nnodes must be >= 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} is not a node of --nnodes {self.nnodes} "
+                             f"(0 .. {self.nnodes - 1})")
+        if self.dp_size % self.nnodes:
+            raise ValueError(f"--data-parallel-size {self.dp_size} is not a multiple of --nnodes {self.nnodes} "
+                             "(every node runs dp / nnodes ranks)")
+        if self.headless and self.node_rank == 0:
+            raise ValueError("--headless is for the other nodes (--node-rank 1 and up): node 0 runs the frontend "
+                             "and the engine core")
+        if self.node_rank > 0 and not self.headless:
+            raise ValueError(f"--node-rank {self.node_rank} runs only workers: add --headless")
+        if not 1 <= self.master_port <= 65535 - 2:
+            raise ValueError("--master-port must be in [1, 65533] (it and the next two ports are used)")
+        if not self.master_addr:
+            raise ValueError("--master-addr must not be empty")
+        if not self.join_timeout > 0:
+            raise ValueError("--join-timeout must be > 0")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -189,9 +268,20 @@ def check_engine_config(config: EngineConfig):
     if config.generation_config not in ("auto", "vllm") and not (Path(config.generation_config) /
                                                                   "generation_config.json").is_file():
         raise EngineConfigError(f"--generation-config {config.generation_config}: no generation_config.json there")
-    if cfg.num_routed_experts % config.dp_size:
+    if (cfg.num_routed_experts + config.num_redundant_experts) % config.dp_size:
+        redundant = f" + {config.num_redundant_experts} redundant" if config.num_redundant_experts else ""
         raise EngineConfigError(f"--data-parallel-size {config.dp_size} does not divide the model's "
-                                f"{cfg.num_routed_experts} routed experts (each rank holds an equal share)")
+                                f"{cfg.num_routed_experts} routed experts{redundant} (each rank holds an equal share)")
+    if config.num_redundant_experts > cfg.num_routed_experts * (config.dp_size - 1):
+        raise EngineConfigError(f"--num-redundant-experts {config.num_redundant_experts} is more than one copy of "
+                                f"each of the {cfg.num_routed_experts} experts on every other rank")
+    if config.eplb_stats_file:
+        from workers.expert_load_file import ExpertLoadFileError, read_expert_load
+
+        try:
+            read_expert_load(config.eplb_stats_file, cfg.num_layers, cfg.num_routed_experts)
+        except ExpertLoadFileError as exc:
+            raise EngineConfigError(f"--eplb-stats-file {exc}") from None
     _check_device(config)
     return cfg
 
@@ -202,8 +292,10 @@ def _check_device(config: EngineConfig) -> None:
 
         if not torch.cuda.is_available():
             raise EngineConfigError("--device cuda, but no CUDA device is available")
-        if config.dp_size > torch.cuda.device_count():
-            raise EngineConfigError(f"--data-parallel-size {config.dp_size} needs {config.dp_size} GPUs; "
+        per_node = config.dp_size // config.nnodes
+        if per_node > torch.cuda.device_count():
+            on = f" ({per_node} per node over --nnodes {config.nnodes})" if config.nnodes > 1 else ""
+            raise EngineConfigError(f"--data-parallel-size {config.dp_size}{on} needs {per_node} GPUs; "
                                     f"{torch.cuda.device_count()} visible")
     elif config.resolved_kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         raise EngineConfigError("--kernels triton needs --device cuda (or TRITON_INTERPRET=1 to run the kernels "

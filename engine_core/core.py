@@ -22,6 +22,7 @@ from typing import Any
 
 from .config import EngineConfig
 from .executor import Executor
+from .expert_load_stats import ExpertLoadStats
 from .protocol import AddRequest, RequestOutput, SchedulerStats, StepPlan, random_seed
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence
@@ -57,6 +58,7 @@ class EngineCore:
         self._in_flight: InFlight | None = None
         self._compiling: dict[str, tuple[Sequence, concurrent.futures.Future]] = {}  # by request id
         self._grammars = None  # workers.structured_output.GrammarCache, on the first structured request
+        self.expert_load = ExpertLoadStats(config.dp_size, config.eplb_stats_file)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: AddRequest) -> None:
@@ -131,7 +133,7 @@ class EngineCore:
         return self.scheduler.has_work or self._in_flight is not None or bool(self._compiling)
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        return self.expert_load.fill(self.scheduler.stats())
 
     # ------------------------------------------------------------------ the loop body
     def step(self) -> list[RequestOutput]:
@@ -155,7 +157,9 @@ class EngineCore:
         for result in results:
             if result.error:
                 raise RuntimeError(f"worker rank {result.rank} failed in step {result.step_id}: {result.error}")
+        self.expert_load.add(results)
         return self.scheduler.update(results)
 
     def shutdown(self) -> None:
+        self.expert_load.save()
         self.executor.shutdown()

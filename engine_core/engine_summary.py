@@ -20,6 +20,19 @@ def weight_formats(dense: str, experts: str) -> str:
     return text + (" (UE8M0 block scales)" if "bf16" not in (dense, experts) else "")
 
 
+def cuda_graphs(config: EngineConfig, cfg, max_model_len: int) -> str:
+    """What the decode steps replay, e.g. "decode, 11 batch sizes 1..64 x 4 contexts up to 8192 tokens"."""
+    reason = config.cuda_graphs_off_reason
+    if reason is not None:
+        return f"none (eager: {reason})"
+    from workers.cuda_graphs import GraphPlan
+
+    plan = GraphPlan.for_engine(config, cfg, max_model_len)
+    sizes = plan.batch_sizes
+    return (f"decode, {len(sizes)} batch sizes {sizes[0]}..{sizes[-1]} x {len(plan.context_sizes)} contexts up to "
+            f"{plan.context_sizes[-1]} tokens")
+
+
 def build_summary(config: EngineConfig, info: WorkerInfo, max_model_len: int, devices: list[str],
                   kv_cache_dtype: str) -> EngineSummary:
     """``max_model_len``: the engine's effective limit (the scheduler's); ``devices`` and
@@ -32,7 +45,7 @@ def build_summary(config: EngineConfig, info: WorkerInfo, max_model_len: int, de
     return EngineSummary(
         devices=devices, weight_formats=weight_formats(cfg.dense_format.value, cfg.expert_format.value),
         kv_cache_dtype=kv_cache_dtype, kernels=config.resolved_kernels, batch_invariant=config.resolved_batch_invariant,
-        zos=config.zos, enforce_eager=config.enforce_eager, dp_size=config.dp_size,
+        zos=config.zos, cuda_graphs=cuda_graphs(config, cfg, max_model_len), dp_size=config.dp_size,
         num_routed_experts=cfg.num_routed_experts, block_size=config.block_size, kv_blocks_per_rank=blocks,
         state_slots_per_rank=info.num_slots, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
         model_max_len=cfg.max_position_embeddings,

@@ -8,10 +8,12 @@ Who may talk on a link:
 * ``ipc://`` endpoints (one host) live in a private directory (mode 0700, sockets 0600), unique per
   server instance, so only the server's own user can connect: no rogue subscriber reads plans and
   no rogue puller steals requests. Whichever process outlives the others removes the directory.
-* ``tcp://`` endpoints (several hosts) always use ZMQ CURVE: the launcher makes one keypair for
-  the binding (server) side and one for the connecting (client) side, and hands both to the node's
-  processes inside the serialized ``Endpoints`` (never on a command line). A peer without the
-  server's public key cannot complete the handshake, so it neither reads nor injects anything.
+* ``tcp://`` endpoints (several hosts) always use ZMQ CURVE: one keypair for the binding (server)
+  side and one for the connecting (client) side, handed to the processes inside the serialized
+  ``Endpoints`` (never on a command line). On one host the launcher makes them
+  (``Endpoints.tcp``); across nodes every node derives the same ones from the shared cluster key
+  (engine_core/cluster.py). A peer without the server's public key cannot complete the handshake,
+  so it neither reads nor injects anything.
 
 Every receive loop parses with ``parse``, which never raises: a malformed message (wrong frame
 count, unknown type byte, undecodable or mistyped payload) is logged, rate-limited, and dropped.
@@ -25,6 +27,7 @@ import socket
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -77,14 +80,16 @@ class Endpoints:
             return None
         return os.path.dirname(self.requests[len("ipc://"):])
 
-    def socket(self, context: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
-        """A socket on one of these links; CURVE whenever the address is ``tcp://``."""
+    def socket(self, context: zmq.Context, kind: int, address: str, bind: bool,
+               prepare: Callable[[zmq.Socket], None] | None = None) -> zmq.Socket:
+        """A socket on one of these links; CURVE whenever the address is ``tcp://``. ``prepare`` runs
+        before the socket binds or connects (options and monitors that must see the first connection)."""
         curve = None
         if address.startswith("tcp://"):
             if not (self.server_public and self.server_secret and self.client_public and self.client_secret):
                 raise ValueError(f"{address}: tcp:// links need CURVE keys (use Endpoints.tcp)")
             curve = (self.server_public, self.server_secret, self.client_public, self.client_secret)
-        return make_socket(context, kind, address, bind, curve)
+        return make_socket(context, kind, address, bind, curve, prepare)
 
     def cleanup(self) -> None:
         """Remove the socket files and their directory (idempotent; any process may call it)."""
@@ -108,7 +113,8 @@ def _free_port(host: str) -> int:
 
 
 def make_socket(context: zmq.Context, kind: int, address: str, bind: bool,
-                curve: tuple[str, str, str, str] | None = None) -> zmq.Socket:
+                curve: tuple[str, str, str, str] | None = None,
+                prepare: Callable[[zmq.Socket], None] | None = None) -> zmq.Socket:
     """``curve`` = (server public, server secret, client public, client secret): the binding side
     is the CURVE server, the connecting side a client that must know the server's public key."""
     sock = context.socket(kind)
@@ -127,6 +133,8 @@ def make_socket(context: zmq.Context, kind: int, address: str, bind: bool,
             sock.curve_serverkey = server_public
             sock.curve_publickey = client_public
             sock.curve_secretkey = client_secret
+    if prepare is not None:
+        prepare(sock)
     if bind:
         sock.bind(address)
         if address.startswith("ipc://"):

@@ -3,9 +3,16 @@
 Step plans are broadcast on a PUB socket (every worker receives every plan and runs its rank's
 part; see benchmarks/broadcast_bench.py for why PUB rather than a shared-memory ring at our
 message sizes); each worker answers with one ``StepResult`` on a PUSH socket. Startup is a
-handshake: each worker reports ``ready`` with its cache geometry (or the error that stopped it),
-then a ping over the broadcast socket proves every subscription is live before the first plan.
-A worker process that dies is noticed while waiting for results, and reported with its exit code.
+handshake: each worker reports ``joined`` once its links are open, then ``ready`` with its cache
+geometry (or the error that stopped it), then a ping over the broadcast socket proves every
+subscription is live before the first plan. A local worker process that dies is noticed while
+waiting for results, and reported with its exit code.
+
+Several nodes (``--nnodes``, engine_core/cluster.py): this executor starts only node 0's ranks; the
+other nodes' ranks are started by their headless supervisors (engine_core/headless.py) and reach
+the two links over tcp. Every rank must join within ``--join-timeout`` (the error names the ranks
+and nodes that did not); a headless supervisor whose worker dies reports it at once (``died`` on
+the results link), which ends the engine as a local death does.
 
 Liveness (a worker that is alive but stuck: stopped, deadlocked, hung in a collective):
 
@@ -29,7 +36,9 @@ import time
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
+from .cluster import NodeLayout, cluster_endpoints, dist_init_method
 from .config import EngineConfig
 from .executor import Executor, WorkerInfo
 from .ipc import DropLog, Endpoints, parse, send
@@ -41,6 +50,7 @@ RESULT_WAIT_WARNING_S = 60.0
 IDLE_PING_INTERVAL_S = 2.0
 MIN_IDLE_PING_TIMEOUT_S = 5.0
 SHUTDOWN_JOIN_S = 5.0
+SHUTDOWN_LINGER_MS = 1000
 RESULT_TYPES = {MessageType.STEP_RESULT: StepResult, MessageType.CONTROL: WorkerControl}
 
 
@@ -50,6 +60,12 @@ class WorkerDiedError(RuntimeError):
 
 class WorkerStuckError(RuntimeError):
     """A worker is alive but did not answer a step or a ping within its timeout."""
+
+
+def _raise_if_died(control: WorkerControl) -> None:
+    """A headless node's report that one of its workers is gone ends the engine as a local death does."""
+    if control.command == "died":
+        raise WorkerDiedError(control.error or f"worker {control.rank} died")
 
 
 def idle_ping_timeout(step_timeout: float) -> float:
@@ -62,31 +78,53 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_workers(config: EngineConfig, endpoints: Endpoints, ranks: range, dist_init: str,
+                  log_level: str) -> list[multiprocessing.Process]:
+    """One spawned worker process per global rank in ``ranks`` (daemons: they die with their parent)."""
+    from workers.worker_process import worker_main
+
+    ctx = multiprocessing.get_context("spawn")
+    config_json, endpoints_json = msgspec.json.encode(config), msgspec.json.encode(endpoints)
+    processes = [ctx.Process(target=worker_main, name=f"mini-deepinfer-worker{rank}", daemon=True,
+                             args=(config_json, endpoints_json, rank, dist_init, log_level))
+                 for rank in ranks]
+    for process in processes:
+        process.start()
+    return processes
+
+
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, endpoints: Endpoints, log_level: str = "INFO"):
-        from workers.worker_process import worker_main
-
+        if config.headless:
+            raise ValueError("a headless node runs no engine core: it only starts its workers")
+        self.layout = NodeLayout.of(config)
+        self.num_ranks = config.dp_size
+        if self.layout.multi_node:  # the step and result links go to the other nodes too
+            endpoints = cluster_endpoints(config, endpoints)
         self.config, self.endpoints = config, endpoints
         self.context = zmq.Context()
-        self.steps = endpoints.socket(self.context, zmq.PUB, endpoints.steps, bind=True)
-        self.results = endpoints.socket(self.context, zmq.PULL, endpoints.results, bind=True)
+        # over tcp, count peers that fail the CURVE handshake: the likely reason a node never joins
+        self._handshake_failures = 0
+        self._monitors: dict[zmq.Socket, zmq.Socket] = {}  # bound socket -> its monitor
+        watch = self._watch_handshakes if self.layout.multi_node else None
+        try:
+            self.steps = endpoints.socket(self.context, zmq.PUB, endpoints.steps, bind=True, prepare=watch)
+            self.results = endpoints.socket(self.context, zmq.PULL, endpoints.results, bind=True, prepare=watch)
+        except zmq.ZMQError as exc:  # over tcp: a port in use, or --master-addr not an address of this host
+            self.context.destroy(linger=0)
+            raise OSError(f"the engine core cannot listen on {endpoints.steps} and {endpoints.results}: "
+                          f"{exc}") from None
         self._drops = DropLog("engine core results")
         self._submitted: dict[int, float] = {}  # step id -> when it was sent
         self._stuck: set[int] = set()
         self._nonce = 0
         self._ping: tuple[int, float, set[int]] | None = None  # outstanding idle ping: nonce, sent at, answered
         self._last_ping = time.monotonic()
-        ctx = multiprocessing.get_context("spawn")
-        config_json, endpoints_json = msgspec.json.encode(config), msgspec.json.encode(endpoints)
-        dist_port = _free_port()
-        self.processes = [
-            ctx.Process(target=worker_main, name=f"mini-deepinfer-worker{rank}", daemon=True,
-                        args=(config_json, endpoints_json, rank, dist_port, log_level))
-            for rank in range(config.dp_size)
-        ]
-        for process in self.processes:
-            process.start()
+        dist_init = dist_init_method(config) if self.layout.multi_node else f"tcp://127.0.0.1:{_free_port()}"
+        # the local processes, in the order of this node's ranks
+        self.processes = start_workers(config, endpoints, self.layout.local_ranks, dist_init, log_level)
         self._buffered: dict[tuple[int, int], StepResult] = {}  # (step, rank) results that came early
+        self._ready: set[int] = set()  # ranks that reported ready (and so read the step socket)
         try:
             self.info = self._handshake()
         except BaseException:
@@ -95,30 +133,45 @@ class MultiprocExecutor(Executor):
 
     # ------------------------------------------------------------------ startup
     def _handshake(self) -> WorkerInfo:
+        joined: dict[int, str] = {}  # rank -> the host it runs on
         ready: dict[int, WorkerControl] = {}
-        deadline = time.monotonic() + WORKER_START_TIMEOUT_S
-        while len(ready) < len(self.processes):
-            control = self._recv_control(deadline, "starting")
-            if control.command != "ready":
-                continue
-            if control.error:
-                raise RuntimeError(f"worker {control.rank} failed to start: {control.error}")
-            ready[control.rank] = control
+        started = time.monotonic()
+        deadline = started + WORKER_START_TIMEOUT_S
+        while len(ready) < self.num_ranks:
+            control = self._next_control("starting")
+            if control is not None and control.command in ("joined", "ready"):
+                if control.rank not in joined:  # ("joined" carries the worker's host name in device_name)
+                    joined[control.rank] = control.device_name if control.command == "joined" else ""
+                    self._log_joined(control.rank, joined)
+                if control.command == "ready":
+                    if control.error:
+                        raise RuntimeError(f"worker {control.rank} failed to start: {control.error}")
+                    ready[control.rank] = control
+                    self._ready.add(control.rank)
+            now = time.monotonic()
+            if self.layout.multi_node and len(joined) < self.num_ranks and now - started > self.config.join_timeout:
+                raise TimeoutError(self._join_timeout_message(joined))
+            if now > deadline:
+                raise TimeoutError(f"workers did not become ready within {WORKER_START_TIMEOUT_S:.0f} s; "
+                                   "check the worker log lines above (model loading, memory)")
         # a SUB socket only receives what is published after its subscription reached us: ping
         # over the broadcast socket until every worker has answered one
         answered: set[int] = set()
-        while len(answered) < len(self.processes):
+        while len(answered) < self.num_ranks:
             self._nonce += 1  # idle pings continue the sequence: a late answer here never counts there
             send(self.steps, MessageType.CONTROL, WorkerControl("ping", nonce=self._nonce))
             poll_until = time.monotonic() + 0.1
-            while time.monotonic() < poll_until and len(answered) < len(self.processes):
+            while time.monotonic() < poll_until and len(answered) < self.num_ranks:
                 if self.results.poll(20):
                     message = self._recv()
-                    if message is not None and message[0] is MessageType.CONTROL and message[1].command == "pong":
-                        answered.add(message[1].rank)
+                    if message is not None and message[0] is MessageType.CONTROL:
+                        _raise_if_died(message[1])
+                        if message[1].command == "pong":
+                            answered.add(message[1].rank)
             self._check_alive("starting")
             if time.monotonic() > deadline:
                 raise TimeoutError("workers did not answer the broadcast ping")
+        self._stop_watching_handshakes()
         first = next(iter(ready.values()))
         self.devices = [ready[rank].device_name for rank in sorted(ready)]  # for the startup summary
         self.kv_cache_dtype = first.kv_cache_dtype
@@ -130,19 +183,60 @@ class MultiprocExecutor(Executor):
                  info.num_slots)
         return info
 
-    def _recv_control(self, deadline: float, phase: str) -> WorkerControl:
-        while True:
-            if self.results.poll(200):
-                message = self._recv()
-                if message is not None and message[0] is MessageType.CONTROL:
-                    return message[1]
-            self._check_alive(phase)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"workers did not become ready within {WORKER_START_TIMEOUT_S:.0f} s; "
-                                   "check the worker log lines above (model loading, memory)")
+    def _next_control(self, phase: str) -> WorkerControl | None:
+        """The next control message (None after 200 ms without one); raises if a worker died."""
+        if self.results.poll(200):
+            message = self._recv()
+            if message is not None and message[0] is MessageType.CONTROL:
+                _raise_if_died(message[1])
+                return message[1]
+        self._count_handshake_failures()
+        self._check_alive(phase)
+        return None
+
+    def _log_joined(self, rank: int, joined: dict[int, str]) -> None:
+        if not self.layout.multi_node:
+            return
+        if rank not in self.layout.local_ranks:
+            log.info("rank %d (node %d) joined from %s", rank, self.layout.node_of(rank), joined[rank] or "?")
+        if len(joined) == self.num_ranks:
+            log.info("all %d ranks joined (%d nodes x %d); loading the model", self.num_ranks, self.layout.nnodes,
+                     self.layout.ranks_per_node)
+
+    def _join_timeout_message(self, joined: dict[int, str]) -> str:
+        missing = [rank for rank in range(self.num_ranks) if rank not in joined]
+        nodes = sorted({self.layout.node_of(rank) for rank in missing} - {0})
+        config = self.config
+        text = (f"{self.layout.describe_ranks(missing)} did not join within {config.join_timeout:g} s "
+                f"(--join-timeout)")
+        if nodes:
+            text += (f"; start `serve --headless --nnodes {config.nnodes} --node-rank R --master-addr "
+                     f"{config.master_addr} --master-port {config.master_port} --dp {config.dp_size}` on node(s) "
+                     f"{', '.join(map(str, nodes))}, reaching this host on tcp ports {config.master_port} to "
+                     f"{config.master_port + 2}")
+        if self._handshake_failures:
+            text += (f"; {self._handshake_failures} connection(s) failed the CURVE handshake: is "
+                     "--cluster-key-file the same file on every node?")
+        return text
+
+    def _watch_handshakes(self, sock: zmq.Socket) -> None:
+        self._monitors[sock] = sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+    def _count_handshake_failures(self) -> None:
+        for monitor in self._monitors.values():
+            while monitor.poll(0):
+                recv_monitor_message(monitor)
+                self._handshake_failures += 1
+
+    def _stop_watching_handshakes(self) -> None:
+        for sock, monitor in self._monitors.items():
+            sock.disable_monitor()
+            monitor.close()
+        self._monitors.clear()
 
     def _check_alive(self, phase: str) -> None:
-        for rank, process in enumerate(self.processes):
+        for rank, process in zip(self.layout.local_ranks, self.processes):
             if not process.is_alive():
                 raise WorkerDiedError(f"worker {rank} exited (code {process.exitcode}) while {phase}")
 
@@ -152,7 +246,7 @@ class MultiprocExecutor(Executor):
         if message is None:
             return None
         kind, body = message
-        if not 0 <= body.rank < len(self.processes):
+        if not 0 <= body.rank < self.num_ranks:
             self._drops.drop(f"{kind.name} from unknown rank {body.rank}")
             return None
         return message
@@ -167,7 +261,7 @@ class MultiprocExecutor(Executor):
         return plan.step_id
 
     def collect(self, step_id: int) -> list[StepResult]:
-        ranks = range(len(self.processes))
+        ranks = range(self.num_ranks)
         submitted = self._submitted.pop(step_id, time.monotonic())
         waited_since = time.monotonic()
         while not all((step_id, r) in self._buffered for r in ranks):
@@ -190,7 +284,9 @@ class MultiprocExecutor(Executor):
         kind, body = message
         if kind is MessageType.STEP_RESULT:
             self._buffered[(body.step_id, body.rank)] = body
-        elif body.command == "pong" and self._ping is not None and body.nonce == self._ping[0]:
+            return
+        _raise_if_died(body)
+        if body.command == "pong" and self._ping is not None and body.nonce == self._ping[0]:
             self._ping[2].add(body.rank)
 
     def _declare_stuck(self, ranks: list[int], what: str, timeout: float) -> None:
@@ -206,10 +302,10 @@ class MultiprocExecutor(Executor):
         now = time.monotonic()
         if self._ping is not None:
             nonce, sent, answered = self._ping
-            if len(answered) == len(self.processes):
+            if len(answered) == self.num_ranks:
                 self._ping = None
             elif now - sent > idle_ping_timeout(self.config.step_timeout):
-                missing = [r for r in range(len(self.processes)) if r not in answered]
+                missing = [r for r in range(self.num_ranks) if r not in answered]
                 self._declare_stuck(missing, f"idle ping {nonce}", idle_ping_timeout(self.config.step_timeout))
         if idle and self._ping is None and now - self._last_ping > IDLE_PING_INTERVAL_S:
             self._nonce += 1
@@ -218,9 +314,12 @@ class MultiprocExecutor(Executor):
             send(self.steps, MessageType.CONTROL, WorkerControl("ping", nonce=self._nonce))
 
     def shutdown(self) -> None:
-        for rank in self._stuck:  # a stopped or wedged process would not act on a request to exit
-            self.processes[rank].kill()
-        try:
+        for rank, process in zip(self.layout.local_ranks, self.processes):
+            if rank in self._stuck:  # a stopped or wedged process would not act on a request to exit
+                process.kill()  # (another node's supervisor ends its own)
+            elif rank not in self._ready and process.is_alive():  # still starting: it reads no request yet
+                process.terminate()
+        try:  # every node's workers get it; a headless node then exits
             send(self.steps, MessageType.CONTROL, WorkerControl("shutdown"))
         except zmq.ZMQError:
             pass
@@ -231,6 +330,8 @@ class MultiprocExecutor(Executor):
             if process.is_alive():
                 process.kill()  # SIGKILL: also ends a stopped process, which SIGTERM would not
                 process.join(timeout=5)
-        self.steps.close()
+        self._stop_watching_handshakes()
+        # over tcp the other nodes' workers must still get the shutdown: let it leave before closing
+        self.steps.close(linger=SHUTDOWN_LINGER_MS if self.layout.multi_node else 0)
         self.results.close()
         self.context.term()

@@ -162,6 +162,12 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     rank_state_slots_total: list[int] = []
     rank_preemptions: list[int] = []  # cumulative
     rank_tokens_scheduled: list[int] = []  # cumulative: prefill and decode tokens planned for the rank
+    # expert load (workers/expert_load.py): the busiest rank's routed (token, expert) pairs over the
+    # mean, summed over MoE layers, in the last window the workers reported (1.0 before any), each
+    # rank's pairs computed since startup, and the placements changed while serving
+    expert_load_imbalance: float = 1.0
+    rank_expert_pairs: list[int] = []
+    expert_rebalances: int = 0
 
 
 class EngineSummary(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -173,7 +179,7 @@ class EngineSummary(msgspec.Struct, array_like=True, omit_defaults=True):
     kernels: str
     batch_invariant: bool
     zos: bool
-    enforce_eager: bool
+    cuda_graphs: str  # what decode steps replay, or "none (eager: why)"
     dp_size: int
     num_routed_experts: int
     block_size: int
@@ -255,15 +261,31 @@ class SampledToken(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: list[TokenLogprob] | None = None
 
 
+class ExpertLoadReport(msgspec.Struct, array_like=True):
+    """A worker's expert-load counters since it started (cumulative, so a lost report loses nothing),
+    sent with the results of every few steps (workers/expert_load.py). Counts are int64
+    little-endian, one per (MoE layer, expert) or (MoE layer, slot), of this rank's tokens."""
+
+    num_layers: int
+    num_experts: int
+    num_slots: int  # experts + redundant copies per layer, rank r holding slots r * S .. (r + 1) * S - 1
+    routed: bytes  # [num_layers, num_experts]: tokens routed to each logical expert
+    slots: bytes  # [num_layers, num_slots]: tokens sent to each slot (the rank holding it computes them)
+    rebalances: int = 0  # placements changed while serving
+
+
 class StepResult(msgspec.Struct, array_like=True):
     step_id: int
     rank: int
     tokens: list[SampledToken]
     error: str = ""
+    expert_load: ExpertLoadReport | None = None
 
 
 class WorkerControl(msgspec.Struct, array_like=True):
-    command: str  # "shutdown" | "ping" | "pong" | "ready" | "grammar"
+    # "shutdown" | "ping" | "pong" | "ready" | "grammar"; multi-node: "joined" (a worker's links are
+    # open; its host name in device_name) and "died" (a headless node reports a dead worker; why in error)
+    command: str
     rank: int = -1
     nonce: int = 0
     # with "ready": the worker's cache geometry and model facts

@@ -77,6 +77,15 @@ METRICS: tuple[MetricInfo, ...] = (
     MetricInfo("num_preemptions_per_rank", "counter", "Sequences preempted on each DP rank (label dp_rank)."),
     MetricInfo("scheduled_tokens_per_rank", "counter",
                "Prompt and decode tokens scheduled on each DP rank (label dp_rank): its share of the work."),
+    MetricInfo("expert_load_imbalance", "gauge",
+               "Routed-expert load imbalance over the DP ranks: per MoE layer the busiest rank's (token, expert) "
+               "pairs over the mean rank's, summed over layers (1 is a perfect balance), in the last window the "
+               "workers reported (docs/expert-load-balance.md)."),
+    MetricInfo("expert_routed_pairs_per_rank", "counter",
+               "(token, expert) pairs the routed experts of each DP rank computed (label dp_rank), counted with "
+               "expert parallelism or --eplb-stats-file."),
+    MetricInfo("expert_rebalances", "counter",
+               "Expert placements changed while serving (--eplb-step-interval): expert weights moved between ranks."),
     MetricInfo("prompt_tokens", "counter", "Prompt tokens of the requests prefilled.", ("prompt_tokens",)),
     MetricInfo("generation_tokens", "counter", "Tokens generated.", ("generation_tokens",)),
     MetricInfo("request_success", "counter", "Engine requests finished, by finished_reason (stop, length, abort).",
@@ -139,14 +148,16 @@ class _EngineCollector(Collector):
             "kv_blocks_used": stats.kv_blocks_used, "kv_blocks_total": stats.kv_blocks_total,
             "state_slots_used": stats.state_slots_used, "state_slots_total": stats.state_slots_total,
             "frontend_requests_pending": self.frontend_waiting(),
+            "expert_load_imbalance": stats.expert_load_imbalance,
         }
         for name, value in gauges.items():
             family = self._family(GaugeMetricFamily, name)
             family.add_metric(self.label_values, value)
             yield family
-        preemptions = self._family(CounterMetricFamily, "num_preemptions")
-        preemptions.add_metric(self.label_values, stats.preemptions)
-        yield preemptions
+        for name, value in (("num_preemptions", stats.preemptions), ("expert_rebalances", stats.expert_rebalances)):
+            counter = self._family(CounterMetricFamily, name)
+            counter.add_metric(self.label_values, value)
+            yield counter
         yield self._iteration_tokens(stats.step_token_counts, stats.step_tokens_sum)
         yield from self._per_rank(stats)
 
@@ -160,6 +171,7 @@ class _EngineCollector(Collector):
             (GaugeMetricFamily, "state_slots_used_per_rank", stats.rank_state_slots_used),
             (CounterMetricFamily, "num_preemptions_per_rank", stats.rank_preemptions),
             (CounterMetricFamily, "scheduled_tokens_per_rank", stats.rank_tokens_scheduled),
+            (CounterMetricFamily, "expert_routed_pairs_per_rank", stats.rank_expert_pairs),
         )
         for cls, name, values in families:
             family = self._family(cls, name, RANK_LABELS)

@@ -3,9 +3,10 @@
     mini-deepinfer 0.1.0: DeepSeek-V4.1 from /models/V4.1-Flash, served as 'V4.1-Flash'
     devices: cuda:0 NVIDIA H200 (139.8 GiB), cuda:1 NVIDIA H200 (139.8 GiB)
     parallel layout: data parallel 2 (one worker per rank), 384 routed experts sharded 192 per rank
-    dtypes: weights fp8 e4m3 dense + fp4 e2m1 experts (UE8M0 block scales); KV cache bf16
+    dtypes: weights fp8 e4m3 dense + fp4 e2m1 experts (UE8M0 block scales); KV cache window fp8 e4m3
+        (UE8M0 scale per 32), compressed KV fp4 e2m1 (E4M3 scale per 16), index keys fp4 e2m1 (UE8M0 scale per 32)
     kernels: triton; batch invariance off; zero-overhead scheduling on; CUDA graphs none (eager)
-    KV cache: 1,048,576 tokens per rank (8192 blocks of 128, 20.00 GiB) + 64 state slots (1.50 GiB); ...
+    KV cache: 1,048,576 tokens per rank (8192 blocks of 128, 0.87 GiB) + 64 state slots (166.5 MiB); ...
     max_model_len 65536 (model limit 1048576): max concurrency 32.00 sequences at 65536 tokens ...
     listening on http://0.0.0.0:8000 (OpenAI API under /v1, Prometheus metrics at /metrics)
 
@@ -52,7 +53,6 @@ def summary_lines(model_dir: str, served_names: tuple[str, ...], summary: Engine
         layout = (f"data parallel {s.dp_size} (one worker per rank), {s.num_routed_experts} routed experts "
                   f"sharded {per_rank} per rank" if s.dp_size > 1 else
                   f"one rank (one worker) holding all {s.num_routed_experts} routed experts")
-        graphs = "none (eager, --enforce-eager)" if s.enforce_eager else "none (eager)"
         tokens = s.kv_blocks_per_rank * s.block_size
         per_rank_conc, kv_conc = max_concurrency(s)
         lines += [
@@ -60,7 +60,7 @@ def summary_lines(model_dir: str, served_names: tuple[str, ...], summary: Engine
             f"parallel layout: {layout}",
             f"dtypes: weights {s.weight_formats}; KV cache {s.kv_cache_dtype or 'unknown'}",
             f"kernels: {s.kernels}; batch invariance {_on(s.batch_invariant)}; zero-overhead scheduling "
-            f"{_on(s.zos)}; CUDA graphs {graphs}",
+            f"{_on(s.zos)}; CUDA graphs {s.cuda_graphs}",
             f"KV cache: {tokens:,} tokens per rank ({s.kv_blocks_per_rank} blocks of {s.block_size}, "
             f"{_size(s.kv_cache_bytes_per_rank)}) + {s.state_slots_per_rank} state slots "
             f"({_size(s.state_bytes_per_rank)}); {tokens * s.dp_size:,} tokens in all",

@@ -25,7 +25,7 @@ from .kernels import KernelBackend, QuantizedWeight
 from .layers import Linear, rms_norm
 from .quant import fp8_qdq
 from .rope import RotaryTable
-from .sparse_attention import sparse_attention
+from .sparse_attention import sparse_attention, sparse_attention_padded
 
 
 @dataclass
@@ -89,7 +89,10 @@ class Attention:
                 self._select(x, qr, batch, cache, state)
         if batch.num_tokens:
             kv_rows, valid, widths = self._gather_entries(kv, batch, cache, state)
-            o = sparse_attention(q, kv_rows, valid, widths, w.sink, self.scale)
+            if self.reference_layout:
+                o = sparse_attention(q, kv_rows, valid, widths, w.sink, self.scale)
+            else:  # whole blocks: every row at the batch's width gives each row what its own width gives
+                o = sparse_attention_padded(q, kv_rows, valid, w.sink, self.scale)
         else:
             o = torch.zeros_like(q)
         self.rope.rotate_(o[..., -rd:], pos, inverse=True)
@@ -128,7 +131,10 @@ class Attention:
     def _write_window(self, kv: torch.Tensor, batch: ForwardBatch, cache: V41Cache) -> None:
         """Keep the last ``window`` positions of every chunk in its sequence's ring (row = pos % W)."""
         win, layout, pos = self.cfg.sliding_window, batch.layout, batch.positions
-        keep = pos >= layout.end - win
+        if batch.padded:  # one token per row: every row is its sequence's newest position
+            cache.write_window(self.role.layer_id, layout.slot, pos % win, kv)
+            return
+        keep = batch.rows_from(lambda chunk: chunk.end - win)
         cache.write_window(self.role.layer_id, layout.slot[keep], pos[keep] % win, kv[keep])
 
     def _grouped_output(self, o: torch.Tensor) -> torch.Tensor:

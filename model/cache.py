@@ -12,8 +12,10 @@ Two kinds of state, with different lifetimes and growth:
   score rows of the still-open group, row ``p % r``), and the Engram n-gram history (compressed ids
   of the last ``max_ngram_size - 1`` positions, row ``p % (max_ngram_size - 1)``).
 
-All values are stored exactly as the reference holds them: bf16 values that went through their
-FP8/FP4 round trip, and fp32 compressor tails.
+Window KV, compressed KV and index keys are stored in their FP8/FP4 formats (model/cache_formats.py:
+codes and scales, the bytes the reference's round trips define); what the model reads back are the
+bf16 values of those round trips, bit for bit. Compressor tails stay fp32 and the Engram history
+int64. On V4.1-Flash the paged cache takes 890 bytes per token (``kv_bytes_per_token``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cache_formats import COMPRESSED_KV, INDEX_KEYS, WINDOW_KV, QuantizedRows, RowCodec
 from .config import V41Config
 
 DEFAULT_BLOCK_SIZE = 128
@@ -44,18 +47,27 @@ def check_block_size(cfg: V41Config, block_size: int) -> None:
             raise ValueError(f"block size {block_size} is not a multiple of compress ratio {ratio}")
 
 
+def kv_bytes_per_token(cfg: V41Config) -> float:
+    """Paged cache bytes per token over all layers: the compressed KV and index key rows of every
+    kv-source layer, a ratio-r layer adding one row of each per r tokens. On V4.1-Flash (sources 2,
+    8, 14 at ratio 2 and 20 at ratio 1; 288-byte KV rows, 68-byte key rows) that is
+    (3/2 + 1) * (288 + 68) = 890. The per-sequence state slot (``bytes_per_slot``) is not counted."""
+    return sum(_entry_bytes(cfg) / cfg.compress_ratios[layer] for layer in cfg.kv_source_layers)
+
+
+def _entry_bytes(cfg: V41Config) -> int:
+    """One compressed entry: its KV row and its index key row."""
+    return COMPRESSED_KV.row_bytes(cfg.head_dim) + INDEX_KEYS.row_bytes(cfg.index_head_dim)
+
+
 def bytes_per_block(cfg: V41Config, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
-    """Memory of one paged block (compressed KV + index keys of every kv-source layer), bf16 values."""
-    total = 0
-    for layer in cfg.kv_source_layers:
-        entries = block_size // cfg.compress_ratios[layer]
-        total += entries * (cfg.head_dim + cfg.index_head_dim) * 2
-    return total
+    """Memory of one paged block (compressed KV + index keys of every kv-source layer)."""
+    return sum(block_size // cfg.compress_ratios[layer] * _entry_bytes(cfg) for layer in cfg.kv_source_layers)
 
 
 def bytes_per_slot(cfg: V41Config) -> int:
-    """Memory of one state slot: window rings, compressor tails, Engram history."""
-    total = cfg.num_layers * cfg.sliding_window * cfg.head_dim * 2
+    """Memory of one state slot: FP8 window rings, fp32 compressor tails, int64 Engram history."""
+    total = cfg.num_layers * cfg.sliding_window * WINDOW_KV.row_bytes(cfg.head_dim)
     for layer in cfg.kv_source_layers:
         ratio = cfg.compress_ratios[layer]
         if ratio > 1:
@@ -72,19 +84,19 @@ class V41Cache:
         self.geometry = geometry
         self.device = torch.device(device)
         slots, window, hd = geometry.num_slots, cfg.sliding_window, cfg.head_dim
-        self.window = [torch.zeros(slots, window, hd, dtype=torch.bfloat16, device=device)
-                       for _ in range(cfg.num_layers)]
-        self.compressed_kv: dict[int, torch.Tensor] = {}
-        self.index_keys: dict[int, torch.Tensor] = {}
+        window_codec = RowCodec(WINDOW_KV, hd, device)
+        kv_codec = RowCodec(COMPRESSED_KV, hd, device)
+        key_codec = RowCodec(INDEX_KEYS, cfg.index_head_dim, device)
+        self.window = [QuantizedRows(window_codec, (slots, window), device) for _ in range(cfg.num_layers)]
+        self.compressed_kv: dict[int, QuantizedRows] = {}
+        self.index_keys: dict[int, QuantizedRows] = {}
         self.tail_kv: dict[int, torch.Tensor] = {}
         self.tail_score: dict[int, torch.Tensor] = {}
         for layer in cfg.kv_source_layers:
             ratio = cfg.compress_ratios[layer]
             entries = geometry.entries_per_block(ratio)
-            self.compressed_kv[layer] = torch.zeros(geometry.num_blocks, entries, hd, dtype=torch.bfloat16,
-                                                    device=device)
-            self.index_keys[layer] = torch.zeros(geometry.num_blocks, entries, cfg.index_head_dim,
-                                                 dtype=torch.bfloat16, device=device)
+            self.compressed_kv[layer] = QuantizedRows(kv_codec, (geometry.num_blocks, entries), device)
+            self.index_keys[layer] = QuantizedRows(key_codec, (geometry.num_blocks, entries), device)
             if ratio > 1:
                 self.tail_kv[layer] = torch.zeros(slots, ratio, hd, dtype=torch.float32, device=device)
                 self.tail_score[layer] = torch.full((slots, ratio, hd), -torch.inf, dtype=torch.float32,
@@ -97,29 +109,37 @@ class V41Cache:
                  block_size: int = DEFAULT_BLOCK_SIZE, device: torch.device | str = "cpu") -> "V41Cache":
         return cls(cfg, CacheGeometry(block_size, num_blocks, num_slots), device)
 
+    @staticmethod
+    def storage_summary() -> str:
+        """The formats the cache holds its values in, as the startup summary shows them."""
+        return (f"window {WINDOW_KV.describe()}, compressed KV {COMPRESSED_KV.describe()}, "
+                f"index keys {INDEX_KEYS.describe()}")
+
     # ------------------------------------------------------------------ values in, values out
     # The model reads and writes cache values only through these methods, so how the values are
-    # stored (their byte layout) is this class's business alone.
+    # stored (their byte layout) is this class's business alone. Values written are outputs of
+    # their round trips (window: fp8_qdq group 32; KV: fp4_qdq group 16 E4M3; keys: fp4_qdq group
+    # 32); reads give those bf16 values back bit for bit.
     def read_window(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Window KV rows ``[..., head_dim]`` bf16 at (slot, ring row) pairs of broadcastable shapes."""
-        return self.window[layer][slots, rows]
+        return self.window[layer].read(slots, rows)
 
     def write_window(self, layer: int, slots: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
-        self.window[layer][slots, rows] = values
+        self.window[layer].write(slots, rows, values=values)
 
     def read_compressed_kv(self, layer: int, blocks: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Compressed KV entries ``[..., head_dim]`` bf16 at (block, row) pairs."""
-        return self.compressed_kv[layer][blocks, rows]
+        return self.compressed_kv[layer].read(blocks, rows)
 
     def read_index_keys(self, layer: int, blocks: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Index keys ``[..., index_head_dim]`` bf16 at (block, row) pairs."""
-        return self.index_keys[layer][blocks, rows]
+        return self.index_keys[layer].read(blocks, rows)
 
     def write_entries(self, layer: int, blocks: torch.Tensor, rows: torch.Tensor, kv: torch.Tensor,
                       keys: torch.Tensor) -> None:
         """New compressed entries of ``layer``: their KV and index keys (already through their round trips)."""
-        self.compressed_kv[layer][blocks, rows] = kv
-        self.index_keys[layer][blocks, rows] = keys
+        self.compressed_kv[layer].write(blocks, rows, values=kv)
+        self.index_keys[layer].write(blocks, rows, values=keys)
 
     def entry_rows_batched(self, layer: int, block_tables: torch.Tensor, seq: torch.Tensor,
                            entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

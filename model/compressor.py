@@ -70,7 +70,13 @@ class Compressor:
         tail_kv, tail_score = cache.tail_kv[self.layer_id], cache.tail_score[self.layer_id]
         # a group closes at the token whose position is its last; its earlier members come from this
         # chunk or, if they came in an earlier forward, from the sequence's tail
-        closing = torch.nonzero((pos + 1) % r == 0).squeeze(1)
+        if batch.padded:
+            # every row as if it closed its group: the entry of a row that does not close lands on
+            # its still-open group's entry, which no query can see yet and whose closing token
+            # overwrites it; this keeps the shapes fixed (no nonzero, no host read)
+            closing = torch.arange(pos.shape[0], device=device)
+        else:
+            closing = batch.closing_rows(r)
         members = pos[closing].unsqueeze(-1) - (r - 1) + torch.arange(r, device=device)  # [G, r]
         start = layout.start[closing].unsqueeze(-1)
         in_chunk = (members >= start).unsqueeze(-1)
@@ -79,9 +85,15 @@ class Compressor:
         group_kv = torch.where(in_chunk, kv[local], tail_kv[slots, members % r])
         group_score = torch.where(in_chunk, score[local], tail_score[slots, members % r])
         # tokens of a group still open at the end of their chunk wait in the tail, row = position % r
-        waiting = pos >= (layout.end // r) * r
-        tail_kv[layout.slot[waiting], pos[waiting] % r] = kv[waiting]
-        tail_score[layout.slot[waiting], pos[waiting] % r] = score[waiting]
+        if batch.padded:
+            # a closing token's tail row is never read again (its group is complete), so every
+            # row may write its own
+            tail_kv[layout.slot, pos % r] = kv
+            tail_score[layout.slot, pos % r] = score
+        else:
+            waiting = batch.rows_from(lambda chunk: chunk.end // r * r)
+            tail_kv[layout.slot[waiting], pos[waiting] % r] = kv[waiting]
+            tail_score[layout.slot[waiting], pos[waiting] % r] = score[waiting]
         latents = (group_kv * group_score.softmax(dim=1)).sum(dim=1)
         latents = rms_norm(latents.to(x.dtype), self.norm, self.eps)
         return latents, layout.seq[closing], pos[closing] // r

@@ -88,8 +88,11 @@ class NgramHasher:
         for i in range(1, self.max_ngram_size):
             rolling = torch.bitwise_xor(rolling, products[..., i])
             hashes.append(rolling.unsqueeze(-1) % self.primes[:, i - 1])
-        recent = pos >= layout.end - keep  # the history keeps each sequence's last positions
-        history[layout.slot[recent], pos[recent] % keep] = compressed[recent]
+        if batch.padded:  # one token per row: every row is its sequence's newest position
+            history[layout.slot, pos % keep] = compressed
+        else:
+            recent = batch.rows_from(lambda chunk: chunk.end - keep)  # each sequence's last positions
+            history[layout.slot[recent], pos[recent] % keep] = compressed[recent]
         return torch.cat(hashes, dim=-1) + self.offsets
 
 

@@ -24,6 +24,7 @@ import torch
 from .attention_lists import TokenSelection
 from .batch import ForwardBatch
 from .cache import V41Cache
+from .device_upload import upload
 from .layers import Linear
 from .quant import fp4_qdq
 from .rope import RotaryTable
@@ -152,7 +153,10 @@ class Indexer:
         q, weights = self.queries(x, qr, batch.positions, rope)
         layout = batch.layout
         num_keys = layout.seq_end // self.ratio  # visible entries at the end of each chunk
-        width = int(num_keys.max()) if num_keys.numel() else 0
+        if batch.padded:  # a fixed width, so that the shapes do not depend on the batch's values
+            width = batch.key_tokens // self.ratio
+        else:
+            width = batch.longest_end() // self.ratio  # known on the host: no read of num_keys
         t = batch.num_tokens
         if width == 0:
             empty = Selection.empty(t, x.device)
@@ -189,6 +193,6 @@ class Indexer:
             if keys is None:
                 keys = gathered
             else:
-                use = torch.tensor([k == key_layer for k in key_layers], device=device)
+                use = upload([k == key_layer for k in key_layers], torch.bool, device)
                 keys = torch.where(use.view(-1, 1, 1), gathered, keys)
         return keys

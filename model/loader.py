@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,6 +45,21 @@ _TORCH_DTYPE_NAMES = {
 
 class CheckpointError(ValueError):
     """The checkpoint's files do not hold the model its config describes."""
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """The routed experts one rank holds: per MoE layer, the logical expert of each of its slots
+    (an expert may appear on several ranks: redundant copies), stacked in this order; stack entry 0
+    is global slot ``first_slot`` (``workers/expert_placement.py``)."""
+
+    first_slot: int
+    layers: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of_range(cls, experts: range, num_layers: int) -> "ExpertShard":
+        """The same consecutive experts in every layer, slot ids equal to expert ids."""
+        return cls(experts.start, (tuple(experts),) * num_layers)
 
 
 class CheckpointReader:
@@ -136,10 +152,10 @@ def load_engram_token_map(path: Path, cfg: V41Config) -> tuple[list[int], int, i
 class _Builder:
     """Turns checkpoint tensors into the model's modules, one converter per storage format."""
 
-    def __init__(self, cfg: V41Config, reader: CheckpointReader, options: ModelOptions, expert_range: range,
+    def __init__(self, cfg: V41Config, reader: CheckpointReader, options: ModelOptions, shard: ExpertShard,
                  kernels: KernelBackend):
         self.cfg, self.reader, self.options = cfg, reader, options
-        self.expert_range = expert_range  # the routed experts this rank holds
+        self.shard = shard  # the routed experts this rank holds
         self.bi = options.batch_invariant
         self.kernels = kernels
         self.engram_storage = "gpu"  # or "host" (engram_storage.py), decided before the first block
@@ -165,16 +181,17 @@ class _Builder:
         weight = self.t(f"{name}.weight")
         return Linear(weight if dtype is None else weight.to(dtype), self.kernels, self.bi)
 
-    def experts(self, prefix: str, device) -> ExpertWeights:
-        """This rank's routed experts, each projection stacked over experts and moved to ``device``."""
+    def experts(self, layer: int, prefix: str, device) -> ExpertWeights:
+        """This rank's routed experts of ``layer``, each projection stacked over its slots and moved
+        to ``device`` (a redundant copy is read again: a fresh tensor per slot)."""
         stacks = []
         for proj in ("w1", "w3", "w2"):
-            parts = [self.weight(f"{prefix}.{e}.{proj}") for e in self.expert_range]
+            parts = [self.weight(f"{prefix}.{e}.{proj}") for e in self.shard.layers[layer]]
             stacked = stack_quantized(parts) if isinstance(parts[0], QuantizedWeight) else torch.stack(parts)
             del parts
             stacks.append(stacked.to(device))
         w1, w3, w2 = stacks
-        return ExpertWeights(w1, w3, w2, self.expert_range.start, self.cfg.swiglu_limit)
+        return ExpertWeights(w1, w3, w2, self.shard.first_slot, self.cfg.swiglu_limit)
 
     def shared_expert(self, prefix: str) -> SharedExpert:
         return SharedExpert(self.linear(f"{prefix}.w1"), self.linear(f"{prefix}.w2"), self.linear(f"{prefix}.w3"),
@@ -208,7 +225,7 @@ class _Builder:
         router = Router(self.t(f + "gate.weight").float(), self.t(f + "gate.bias").float(),
                         cfg.num_experts_per_token, cfg.scoring_func, cfg.norm_topk_prob,
                         cfg.routed_scaling_factor, cfg.gate_temperature, self.bi)
-        moe = MoE(router, self.experts(f + "experts", device), self.shared_expert(f + "shared_experts"),
+        moe = MoE(router, self.experts(layer, f + "experts", device), self.shared_expert(f + "shared_experts"),
                   cfg.num_routed_experts, self.kernels)
         engram = None
         if role.has_engram:
@@ -228,9 +245,10 @@ class _Builder:
 
 
 def load_model(path: str | Path, options: ModelOptions | None = None, device: str | torch.device = "cpu",
-               expert_range: range | None = None, load_format: str = "auto",
+               expert_range: range | ExpertShard | None = None, load_format: str = "auto",
                engram_storage: str | None = None) -> V41Model:
-    """Load a checkpoint directory. ``expert_range``: the routed experts this rank holds (all by default).
+    """Load a checkpoint directory. ``expert_range``: the routed experts this rank holds (all by
+    default): the same range in every layer, or an ``ExpertShard`` (per layer, with copies).
 
     ``load_format="dummy"``: random weights in their storage formats, made on ``device``; the
     directory needs only ``config.json`` and a tokenizer (Engram tables may be shrunk: logged).
@@ -250,9 +268,12 @@ def load_model(path: str | Path, options: ModelOptions | None = None, device: st
         raise ValueError(f"unknown load format {load_format!r}; available: auto, dummy")
     validate_checkpoint(cfg, reader)
     kernels = make_backend(options.kernels, options.batch_invariant)
-    builder = _Builder(cfg, reader, options, expert_range or range(cfg.num_routed_experts), kernels)
-    builder.engram_storage = place_engram_tables(cfg, engram_storage, device,
-                                                 checkpoint_bytes(cfg, builder.expert_range)).storage
+    shard = expert_range if isinstance(expert_range, ExpertShard) else \
+        ExpertShard.of_range(expert_range or range(cfg.num_routed_experts), cfg.num_layers)
+    if len(shard.layers) != cfg.num_layers:
+        raise ValueError(f"the expert shard covers {len(shard.layers)} layers, the model has {cfg.num_layers}")
+    builder = _Builder(cfg, reader, options, shard, kernels)
+    builder.engram_storage = place_engram_tables(cfg, engram_storage, device, checkpoint_bytes(cfg, shard)).storage
     hasher = None
     if cfg.engram_layer_ids:
         lookup, size, pad = load_engram_token_map(path, cfg)
@@ -260,7 +281,7 @@ def load_model(path: str | Path, options: ModelOptions | None = None, device: st
     blocks = [builder.block(layer, device) for layer in _progress(range(cfg.num_layers), "loading weights", "layer")]
     model = V41Model(cfg, options, builder.t("embed.weight").to(device), blocks,
                      builder.t("norm.weight").to(device), builder.t("head.weight").to(device), hasher, kernels)
-    held, stored = held_weight_bytes(model), checkpoint_bytes(cfg, builder.expert_range)
+    held, stored = held_weight_bytes(model), checkpoint_bytes(cfg, shard)
     log.info("weights: %.2f GiB held on %s for %.2f GiB of checkpoint tensors (%+.1f%%: fp32 copies of the small "
              "bf16 weights the reference multiplies in fp32, rope tables); kernels: %s", held / 2**30, device,
              stored / 2**30, 100.0 * (held - stored) / stored, kernels.name)
@@ -289,13 +310,16 @@ def _progress(items, description: str, unit: str):
 _DTYPE_BYTES = {"BF16": 2, "F32": 4, "F16": 2, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1}
 
 
-def checkpoint_bytes(cfg: V41Config, expert_range: range) -> int:
-    """Bytes of the checkpoint tensors a rank holding ``expert_range`` loads."""
+def checkpoint_bytes(cfg: V41Config, experts: range | ExpertShard) -> int:
+    """Bytes of the checkpoint tensors a rank holding ``experts`` loads (a redundant copy counts again)."""
+    shard = experts if isinstance(experts, ExpertShard) else ExpertShard.of_range(experts, cfg.num_layers)
     total = 0
     for name, spec in checkpoint_tensors(cfg).items():
-        if ".ffn.experts." in name and int(name.split(".ffn.experts.")[1].split(".")[0]) not in expert_range:
-            continue
-        total += math.prod(spec.shape) * _DTYPE_BYTES[spec.dtype]
+        copies = 1
+        if ".ffn.experts." in name:
+            layer = int(name.split(".")[1])
+            copies = shard.layers[layer].count(int(name.split(".ffn.experts.")[1].split(".")[0]))
+        total += copies * math.prod(spec.shape) * _DTYPE_BYTES[spec.dtype]
     return total
 
 

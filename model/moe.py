@@ -6,11 +6,13 @@ activation before its down projection (not the output). SwiGLU is clamped: the u
 sides, the gate branch from above. Each token's output is summed in fp32 over its experts in
 increasing expert id, then the shared expert's output is added, as the reference does.
 
-With expert parallelism each rank holds a contiguous range of experts; the dispatcher
-(``workers/expert_parallel.py``) moves token rows to the ranks holding their experts and the
-per-(token, slot) outputs back, so the final sum happens in the same order on every configuration.
-The shared expert runs while the dispatch is in flight (its exchange runs on the communicator's
-stream on NCCL, on a background thread on gloo); its output is still added last.
+With expert parallelism each rank holds some copies ("slots") of the routed experts; an expert map
+(``workers/expert_load.py``) turns each (token, logical expert) pair into one slot and counts the
+load, the dispatcher (``workers/expert_parallel.py``) moves token rows to the ranks holding their
+slots and the per-(token, slot) outputs back, and the final sum runs over the *logical* ids, so it
+happens in the same order whatever the number of ranks and the placement of the experts. The shared
+expert runs while the dispatch is in flight (its exchange runs on the communicator's stream on
+NCCL, on a background thread on gloo); its output is still added last.
 """
 
 from __future__ import annotations
@@ -89,6 +91,10 @@ class MoE:
         # the ranks holding their experts (``dispatch``), runs ``expert_rows`` there and brings the
         # outputs back (``combine``)
         self.dispatcher = None
+        # set by the expert load balancer (workers/expert_balancer.py): routes each (token, logical
+        # expert) pair to a slot and counts the load (``route``). Without it, slot ids are the
+        # logical ids (every expert once, in order)
+        self.expert_map = None
 
     def to(self, device) -> "MoE":
         self.router.to(device)
@@ -98,14 +104,14 @@ class MoE:
 
     def local_expert_outputs(self, x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.Tensor,
                              pair_weight: torch.Tensor) -> torch.Tensor:
-        """Outputs ``[P, D]`` of (token, expert) pairs whose experts this rank holds (global ids);
+        """Outputs ``[P, D]`` of (token, slot) pairs whose slots this rank holds (global slot ids);
         rows of other ranks' pairs stay zero."""
         local = pair_expert - self.experts.first_expert
         return self.kernels.expert_outputs(x, pair_token, local, pair_weight.float(), self.experts)
 
     def expert_rows(self, rows: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
-        """``[R, k, D]``: for token rows ``[R, D]`` with their expert ids and routing weights
-        ``[R, k]``, each slot's expert output; zero where the id is not this rank's (or is -1)."""
+        """``[R, k, D]``: for token rows ``[R, D]`` with their slot ids and routing weights
+        ``[R, k]``, each pair's expert output; zero where the slot is not this rank's (or is -1)."""
         r, k = ids.shape
         pair_token = torch.arange(r * k, device=rows.device) // k
         outputs = self.local_expert_outputs(rows, pair_token, ids.reshape(-1), gates.reshape(-1))
@@ -113,14 +119,15 @@ class MoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, indices = self.router(x)
+        slots = indices if self.expert_map is None else self.expert_map.route(indices)
         if self.dispatcher is None:
-            routed = self.expert_rows(x, indices, weights)
+            routed = self.expert_rows(x, slots, weights)
             shared = self.shared(x)
         else:
-            exchange = self.dispatcher.dispatch(x, weights, indices)
+            exchange = self.dispatcher.dispatch(x, weights, slots)
             shared = self.shared(x)  # overlaps the exchange in flight
             routed = self.dispatcher.combine(exchange, self.expert_rows)
-        y = combine_routed(routed, indices)
+        y = combine_routed(routed, indices)  # in logical id order, whatever the placement
         y += shared
         return y.to(x.dtype)
 

@@ -258,14 +258,15 @@ def _check_capture_forward(model: V41Model, tensors) -> list[ComponentResult]:
         results.append(_mask(key[len("comp."):], state.candidates[:, : expected.shape[-1]], expected))
     for key, layer in _layer_keys(tensors, r"comp\.cache_after_prefill\.layer(\d+)\.window_kv"):
         expected = tensors[key]
-        results.append(_bf16(key[len("comp."):], cache.window[layer][0, : expected.shape[0]], expected,
-                             FORWARD_REL_TOL))
-    for kind, store in (("compress_kv", cache.compressed_kv), ("index_k", cache.index_keys)):
+        ring_rows = torch.arange(min(expected.shape[0], model.cfg.sliding_window), device=cache.device)
+        results.append(_bf16(key[len("comp."):], cache.read_window(layer, torch.zeros_like(ring_rows), ring_rows),
+                             expected, FORWARD_REL_TOL))
+    for kind, read in (("compress_kv", cache.read_compressed_kv), ("index_k", cache.read_index_keys)):
         for key, layer in _layer_keys(tensors, rf"comp\.cache_after_prefill\.layer(\d+)\.{kind}"):
             expected = tensors[key]
             entries = torch.arange(expected.shape[0], device=chunk.block_table.device)
             blocks, rows = cache.entry_rows(layer, chunk.block_table, entries)
-            results.append(_bf16(key[len("comp."):], store[layer][blocks, rows], expected, FORWARD_REL_TOL))
+            results.append(_bf16(key[len("comp."):], read(layer, blocks, rows), expected, FORWARD_REL_TOL))
     return results
 
 

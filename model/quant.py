@@ -30,11 +30,21 @@ E2M1_SIGNED = torch.cat([E2M1_VALUES, -E2M1_VALUES])
 # even code, which is the upper neighbour only for the midpoints 0.75, 1.75 and 3.5.
 _E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
 _E2M1_TIE_GOES_UP = torch.tensor([False, True, False, True, False, True, False])
+_DEVICE_COPIES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _on(device: torch.device, table: torch.Tensor) -> torch.Tensor:
+    """``table`` (a constant above) on ``device``, copied once: a copy per call would make the host
+    wait for the device, and a CUDA graph cannot capture it."""
+    key = (id(table), device)
+    if key not in _DEVICE_COPIES:
+        _DEVICE_COPIES[key] = table.to(device)
+    return _DEVICE_COPIES[key]
 
 
 def pow2_scale(amax: torch.Tensor, max_inv: torch.Tensor) -> torch.Tensor:
     """2**ceil(log2(amax * max_inv)), read off the fp32 bits as the kernel does (UE8M0 scales)."""
-    x = (amax.float() * max_inv.to(amax.device)).contiguous()
+    x = (amax.float() * _on(amax.device, max_inv)).contiguous()
     bits = x.view(torch.int32)
     exponent = (bits >> 23) & 0xFF
     mantissa_nonzero = (bits & 0x7FFFFF) != 0
@@ -49,15 +59,15 @@ def to_e4m3(x: torch.Tensor) -> torch.Tensor:
 
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """fp32 values in [-6, 6] -> 4-bit E2M1 codes (uint8, bit 3 = sign), round-to-nearest-even."""
-    mids = _E2M1_MIDPOINTS.to(x.device)
+    mids = _on(x.device, _E2M1_MIDPOINTS)
     magnitude = x.abs().unsqueeze(-1)
-    code = (magnitude > mids).sum(-1) + ((magnitude == mids) & _E2M1_TIE_GOES_UP.to(x.device)).sum(-1)
+    code = (magnitude > mids).sum(-1) + ((magnitude == mids) & _on(x.device, _E2M1_TIE_GOES_UP)).sum(-1)
     return code.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """4-bit codes -> fp32 values (the sign of zero is kept: code 8 is -0.0)."""
-    return E2M1_SIGNED.to(codes.device)[codes.long()]
+    return _on(codes.device, E2M1_SIGNED)[codes.long()]
 
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:

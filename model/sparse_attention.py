@@ -8,7 +8,14 @@ denominator summing fp32 probabilities, and the sink entering only the denominat
 A row with no valid entry yields zeros.
 
 The result of a row depends on where its valid entries sit in its list (which 64-block, holes
-between them, the list's length), so callers decide the layout (see ``attention.py``). Rows with
+between them, the list's length), so callers decide the layout (see ``attention.py``). Two forms:
+
+* ``sparse_attention`` (the reference layout): rows grouped by list length, the last block as long
+  as the list, as in the reference kernel; needed to reproduce the reference bit for bit.
+* ``sparse_attention_padded`` (the engine's packed layout): every list padded with holes to whole
+  64-entry blocks, so that a row's result no longer depends on its list's length, and every row
+  runs at the batch's width in one pass: no shape depends on the values (no host synchronisation,
+  and what a CUDA graph needs). Rows with
 lists of equal length are processed together; each row's products are its own batched matrix
 products, so a row's result does not depend on the other rows.
 """
@@ -34,14 +41,29 @@ def sparse_attention(q: torch.Tensor, kv_rows: torch.Tensor, valid: torch.Tensor
         if width == 0:
             continue  # no entry: the kernel returns zeros
         rows = torch.nonzero(widths == width).squeeze(1)
-        out[rows] = _attend_rows(q[rows], kv_rows[rows, :width], valid[rows, :width], sink, scale)
+        out[rows] = _attend_rows(q[rows], kv_rows[rows, :width], valid[rows, :width], sink, scale, whole_blocks=False)
     return out
 
 
+def sparse_attention_padded(q: torch.Tensor, kv_rows: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """Every row's list at the full width L of ``kv_rows``, padded with holes to whole 64-entry blocks.
+
+    Listed entries past a row's own width are holes, and a block of holes leaves the online softmax
+    exactly as it was (the running max, the sum and the output are unchanged), so a row's result is
+    the same at any width: in a batch, alone, or padded for a CUDA graph. A row without any valid
+    entry yields zeros."""
+    return _attend_rows(q, kv_rows, valid, sink, scale, whole_blocks=True)
+
+
 def _attend_rows(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, whole_blocks: bool) -> torch.Tensor:
     """Rows whose lists have the same length: kv [T, L, D], valid [T, L]."""
     t, h, d = q.shape
+    if whole_blocks and kv.shape[1] % BLOCK:
+        pad = -kv.shape[1] % BLOCK
+        kv = torch.nn.functional.pad(kv, (0, 0, 0, pad))
+        valid = torch.nn.functional.pad(valid, (0, pad))  # holes
     scale_t = torch.tensor(scale, dtype=torch.float32)
     qf = q.float()
     acc_o = torch.zeros(t, h, d, dtype=torch.float32, device=q.device)

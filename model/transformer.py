@@ -135,11 +135,11 @@ class V41Model:
             if not role.runs_indexer:
                 continue
             own = role.layer_id if role.owns_kv else role.kv_source
-            result[role.layer_id] = [
-                self._official_key_layer(role.layer_id, own, chunk, owners) if self.options.official_index_handoff
-                else own
-                for chunk in batch.chunks
-            ]
+            if self.options.official_index_handoff:
+                result[role.layer_id] = [self._official_key_layer(role.layer_id, own, chunk, owners)
+                                         for chunk in batch.chunks]
+            else:
+                result[role.layer_id] = [own] * batch.num_sequences
         return result
 
     def _official_key_layer(self, layer: int, own: int, chunk: SequenceChunk, owners: tuple[int, ...]) -> int:

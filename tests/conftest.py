@@ -166,15 +166,15 @@ def _cache_snapshot(cache: V41Cache, slot: int, block_table: list[int] | torch.T
     table = torch.as_tensor(block_table, dtype=torch.long)
     snap: dict[str, torch.Tensor] = {}
     w = cfg.sliding_window
-    window_rows = [p % w for p in range(max(0, length - w), length)]  # oldest position first
+    window_rows = torch.tensor([p % w for p in range(max(0, length - w), length)], dtype=torch.long)  # oldest first
     for layer in range(cfg.num_layers):
-        snap[f"window.layer{layer}"] = cache.window[layer][slot, window_rows].clone()
+        snap[f"window.layer{layer}"] = cache.read_window(layer, torch.tensor(slot), window_rows)
     for layer in cfg.kv_source_layers:
         ratio = cfg.compress_ratios[layer]
         entries = torch.arange(length // ratio)
         blocks, rows = cache.entry_rows(layer, table, entries)
-        snap[f"compressed_kv.layer{layer}"] = cache.compressed_kv[layer][blocks, rows].clone()
-        snap[f"index_keys.layer{layer}"] = cache.index_keys[layer][blocks, rows].clone()
+        snap[f"compressed_kv.layer{layer}"] = cache.read_compressed_kv(layer, blocks, rows)
+        snap[f"index_keys.layer{layer}"] = cache.read_index_keys(layer, blocks, rows)
         if ratio > 1:
             open_rows = [p % ratio for p in range(length - length % ratio, length)]
             snap[f"tail_kv.layer{layer}"] = cache.tail_kv[layer][slot, open_rows].clone()

@@ -74,6 +74,30 @@ def capacity_of(scenario: Scenario, world_size: int, num_experts: int, top_k: in
                                top_k=top_k, capacity_factor=factor)
 
 
+def run_rank_processes(target, world_size: int, checkpoint: str, out_dir: Path, timeout_s: float = 300) -> list[dict]:
+    """Run ``target(rank, world_size, checkpoint, store_path, out_dir)`` in one spawned process per
+    rank and return what each saved (``rank{r}.pt``); a rank still running after ``timeout_s`` is a
+    deadlocked collective."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    store = Path(out_dir) / "store"
+    procs = [context.Process(target=target, args=(rank, world_size, checkpoint, str(store), str(out_dir)))
+             for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=timeout_s)
+    stuck = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    assert not stuck, f"ranks {stuck} did not finish within {timeout_s} s (a deadlocked exchange)"
+    assert all(proc.exitcode == 0 for proc in procs), [proc.exitcode for proc in procs]
+    return [torch.load(Path(out_dir) / f"rank{rank}.pt") for rank in range(world_size)]
+
+
 def rank_main(rank: int, world_size: int, checkpoint: str, store_path: str, out_dir: str) -> None:
     from model.loader import load_model
     from workers.expert_parallel import ExpertParallelDispatcher

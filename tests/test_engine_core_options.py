@@ -76,7 +76,27 @@ def test_startup_summary_describes_the_engine(tiny_checkpoint):
     text = "\n".join(summary_lines(str(tiny_checkpoint), ("tiny",), summary, "http://127.0.0.1:8000"))
     for expected in ("devices: cpu (1 thread)", "one rank (one worker) holding all 4 routed experts",
                      "weights fp8 e4m3 dense + fp4 e2m1 experts (UE8M0 block scales); KV cache bf16",
-                     "CUDA graphs none (eager, --enforce-eager)", "KV cache: 624 tokens per rank (39 blocks of 16",
+                     "CUDA graphs none (eager: not on cuda)", "KV cache: 624 tokens per rank (39 blocks of 16",
                      "max_model_len 128 (model limit 4096): max concurrency 4.00 sequences at 128 tokens",
                      "listening on http://127.0.0.1:8000"):
         assert expected in text, expected
+
+
+def test_startup_summary_names_the_cuda_graphs(tiny_checkpoint):
+    from engine_core.engine_summary import cuda_graphs
+    from model.config import V41Config
+
+    cfg = V41Config.from_pretrained(tiny_checkpoint)
+
+    def graphs(**options) -> str:
+        return cuda_graphs(EngineConfig(model=str(tiny_checkpoint), device="cuda", **options), cfg, 4096)
+
+    assert graphs(max_num_seqs=64) == "decode, 11 batch sizes 1..64 x 3 contexts up to 4096 tokens"
+    assert graphs(max_num_seqs=20, cuda_graph_sizes=(1, 4, 16), max_seq_len_to_capture=512) == \
+        "decode, 3 batch sizes 1..16 x 1 contexts up to 512 tokens"
+    assert graphs(enforce_eager=True) == "none (eager: --enforce-eager)"
+    assert graphs(kernels="reference").startswith("none (eager: the reference kernels")
+    # expert parallelism: no batch beyond what one exchange carries per peer without a second round
+    assert graphs(dp_size=2, max_num_seqs=64) == "decode, 11 batch sizes 1..64 x 3 contexts up to 4096 tokens"
+    small_capacity = graphs(dp_size=2, max_num_seqs=64, max_num_batched_tokens=64, expert_capacity_factor=0.5)
+    assert small_capacity.startswith("decode, ") and " 1..64 " not in small_capacity

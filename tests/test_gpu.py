@@ -49,7 +49,8 @@ def test_batch_invariance_on_cuda(tiny_checkpoint):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_expert_parallel_over_two_gpus_matches_one(tiny_checkpoint):
-    """Experts sharded over 2 GPUs (NCCL all-to-all) give the tokens of 1 GPU (batch-invariant mode)."""
+    """Experts sharded over 2 GPUs (NCCL all-to-all) give the tokens of 1 GPU (batch-invariant mode),
+    with decode steps replaying CUDA graphs (exchanges inside) and with ``--enforce-eager``."""
     import asyncio
 
     from engine_core.config import EngineConfig
@@ -59,9 +60,9 @@ def test_expert_parallel_over_two_gpus_matches_one(tiny_checkpoint):
     prompts = [list(range(3, 3 + n)) for n in (5, 23, 41, 70)]
     params = SamplingParams(temperature=0.9, seed=21, max_tokens=12)
 
-    async def run(dp: int) -> list[list[int]]:
+    async def run(dp: int, enforce_eager: bool = False) -> list[list[int]]:
         client = ZmqEngineClient(EngineConfig(model=str(tiny_checkpoint), device="cuda", dp_size=dp,
-                                              batch_invariant=True, max_num_seqs=8))
+                                              batch_invariant=True, max_num_seqs=8, enforce_eager=enforce_eager))
         await client.start()
         try:
             async def one(i):
@@ -73,4 +74,6 @@ def test_expert_parallel_over_two_gpus_matches_one(tiny_checkpoint):
         finally:
             await client.shutdown()
 
-    assert asyncio.run(run(2)) == asyncio.run(run(1))
+    one_gpu = asyncio.run(run(1))
+    assert asyncio.run(run(2)) == one_gpu
+    assert asyncio.run(run(2, enforce_eager=True)) == one_gpu

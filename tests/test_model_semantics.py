@@ -203,11 +203,12 @@ def test_mixed_batch_equals_each_sequence_alone(request, official: bool, one_seq
                                  cache_snapshot(alone[name].cache, 0, alone[name].block_table, n))
         assert not bad, f"sequence {name}: cache differs in {bad}"
     # the block tables have no padding entries: nothing may land in block 0 or in slots no sequence holds
+    # (a written row, zeros included, has a nonzero scale byte, so untouched rows are all-zero bytes)
     cache = shared.cache
     for layer in model.cfg.kv_source_layers:
-        assert not cache.compressed_kv[layer][0].any() and not cache.index_keys[layer][0].any()
+        assert not cache.compressed_kv[layer].data[0].any() and not cache.index_keys[layer].data[0].any()
     for slot in shared.unused_slots:
-        assert all(not cache.window[layer][slot].any() for layer in range(model.cfg.num_layers))
+        assert all(not cache.window[layer].data[slot].any() for layer in range(model.cfg.num_layers))
         assert not cache.engram_history[slot].any()
 
 

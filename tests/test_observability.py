@@ -114,8 +114,10 @@ def test_info_logs_of_every_process_in_one_format(info_server, tiny_checkpoint):
         rf"mini-deepinfer \S+: DeepSeek-V4.1 from {re.escape(str(tiny_checkpoint))}, served as 'tiny', 'alias-b'",
         r"devices: cpu \(1 thread\), cpu \(1 thread\)",
         r"parallel layout: data parallel 2 \(one worker per rank\), 4 routed experts sharded 2 per rank",
-        r"dtypes: weights fp8 e4m3 dense \+ fp4 e2m1 experts \(UE8M0 block scales\); KV cache bf16",
-        r"kernels: reference; batch invariance on; zero-overhead scheduling on; CUDA graphs none \(eager\)",
+        r"dtypes: weights fp8 e4m3 dense \+ fp4 e2m1 experts \(UE8M0 block scales\); KV cache window fp8 e4m3 "
+        r"\(UE8M0 scale per 32\), compressed KV fp4 e2m1 \(E4M3 scale per 16\), index keys fp4 e2m1 \(UE8M0 scale "
+        r"per 32\)",
+        r"kernels: reference; batch invariance on; zero-overhead scheduling on; CUDA graphs none \(eager: not on cuda\)",
         r"KV cache: [\d,]+ tokens per rank \(\d+ blocks of 128, [\d.]+ MiB\) \+ 4 state slots",
         r"max_model_len 4096 \(model limit 4096\): max concurrency 8.00 sequences at 4096 tokens \(4.00 per rank",
         rf"listening on {re.escape(base)} \(OpenAI API under /v1",

@@ -4,7 +4,8 @@
 ``max_num_seqs`` and blocks come from a memory budget: on CUDA, the fraction
 ``--gpu-memory-utilization`` of the device memory minus what the weights and a profiling forward of
 ``max_num_batched_tokens`` tokens used at peak; on CPU, ``--cpu-kv-cache-gb``. Block count never
-exceeds what ``max_num_seqs`` sequences of ``max_model_len`` tokens can use.
+exceeds what ``max_num_seqs`` sequences of ``max_model_len`` tokens can use. Block and slot sizes
+are those of the cache's storage formats (model/cache.py, model/cache_formats.py).
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ def plan_capacity(config: EngineConfig, cfg: V41Config, free_bytes: int | None) 
                                "lower --max-num-seqs or raise the memory budget")
         blocks = min(budget // per_block, useful_blocks)
     capacity = CacheCapacity(int(blocks), int(slots), config.block_size, max_len)
-    log.info("cache: %d KV blocks (%d tokens, %.1f MiB) and %d state slots (%.1f MiB) per rank",
-             capacity.num_blocks - 1, capacity.tokens, capacity.num_blocks * per_block / 2**20, slots,
-             slots * bytes_per_slot(cfg) / 2**20)
+    log.info("cache: %d KV blocks (%d tokens at %g bytes each, %.1f MiB) and %d state slots (%.1f MiB) per rank",
+             capacity.num_blocks - 1, capacity.tokens, per_block / config.block_size,
+             capacity.num_blocks * per_block / 2**20, slots, slots * bytes_per_slot(cfg) / 2**20)
     return capacity
 
 

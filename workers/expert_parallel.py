@@ -1,6 +1,12 @@
-"""Expert parallelism: each rank holds a contiguous range of routed experts; token rows travel to the
-ranks holding their experts and the expert outputs travel back, through torch.distributed
-all-to-all (gloo on CPU, NCCL on GPU). See docs/expert-parallel.md.
+"""Expert parallelism: each rank holds ``S`` slots (physical copies of routed experts: a contiguous
+range of the experts by default, or the slots of an ``ExpertPlacement`` with redundant copies); token
+rows travel to the ranks holding their slots and the expert outputs travel back, through
+torch.distributed all-to-all (gloo on CPU, NCCL on GPU). See docs/expert-parallel.md and
+docs/expert-load-balance.md.
+
+The dispatcher sees *slot* ids only: the MoE layer's expert map (``expert_load.LayerExpertMap``)
+turns each (token, logical expert) pair into one slot first, and rank ``r`` holds slots
+``r * S .. (r + 1) * S - 1``.
 
 Per MoE layer: one **dispatch** and one **combine**, each a single ``all_to_all_single`` of a
 buffer whose shape is fixed by the capacity (``expert_capacity.py``), never by the routing. When
@@ -9,7 +15,7 @@ whole step plan, so no communication is needed) the blocks shrink to it, still e
 
 * dispatch: every rank sends every peer a block of ``capacity`` records (plus one header record
   when a rank's batch may not fit). A record is one token row together with the token's ``k``
-  expert ids and routing weights (ids of experts the peer does not hold are -1), so a token whose
+  slot ids and routing weights (ids of slots the peer does not hold are -1), so a token whose
   experts share a rank travels once. Records are placed without reading anything back to the host
   (a cumulative count gives each token its place in each peer's block); unused records are padding
   (all ids -1), which the expert kernel skips.
@@ -17,9 +23,10 @@ whole step plan, so no communication is needed) the blocks shrink to it, still e
   kernel backend) and returns ``[records, k, D]``: the output of each (token, slot) pair whose
   expert it holds, in bf16, exactly what a single rank's kernel produces for that pair.
 * combine: the returned blocks land back at the sender, which picks each pair's row and sums, per
-  token, in increasing expert id (``model.moe.combine_routed``), so the result does not depend on
-  the number of ranks (given row-independent expert kernels: the Triton kernels, or the reference
-  kernels in batch-invariant mode). Partial sums are not formed on the expert side for that reason.
+  token, in increasing logical expert id (``model.moe.combine_routed``), so the result depends
+  neither on the number of ranks nor on the placement (given row-independent expert kernels: the
+  Triton kernels, or the reference kernels in batch-invariant mode). Partial sums are not formed on
+  the expert side for that reason.
 
 Overflow exists only when the capacity was lowered below the worst case: each block's header then
 carries how many rows its sender could not fit, the receiver reads the headers back (one small
@@ -42,19 +49,20 @@ import torch
 import torch.distributed as dist
 
 from .expert_capacity import ExpertCapacity
+from .expert_placement import ExpertPlacement
 
 log = logging.getLogger(__name__)
 
-NO_EXPERT = -1  # an expert id slot that no rank computes (the expert is elsewhere, or padding)
+NO_EXPERT = -1  # a slot id that no rank computes (the slot is elsewhere, or padding)
 
-# The receiving side's experts: (rows [R, D], expert ids [R, k] global or NO_EXPERT, routing
-# weights [R, k] fp32) -> per-pair outputs [R, k, D], zero where the id is not this rank's.
+# The receiving side's experts: (rows [R, D], slot ids [R, k] global or NO_EXPERT, routing
+# weights [R, k] fp32) -> per-pair outputs [R, k, D], zero where the slot is not this rank's.
 ExpertRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class RowRecord:
-    """The bytes of one exchanged token row: ``[activation | k expert ids int32 | k weights fp32]``."""
+    """The bytes of one exchanged token row: ``[activation | k slot ids int32 | k weights fp32]``."""
 
     dim: int
     top_k: int
@@ -78,7 +86,7 @@ class RowRecord:
         return records
 
     def unpack(self, records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(rows ``[R, D]``, expert ids ``[R, k]`` int64, gates ``[R, k]`` fp32) of ``records``."""
+        """(rows ``[R, D]``, slot ids ``[R, k]`` int64, gates ``[R, k]`` fp32) of ``records``."""
         ids_at, gates_at = self.row_bytes, self.row_bytes + 4 * self.top_k
         rows = records[:, :ids_at].contiguous().view(self.dtype)
         ids = records[:, ids_at:gates_at].contiguous().view(torch.int32).long()
@@ -125,31 +133,59 @@ class ExpertParallelDispatcher:
     ``ExpertCapacity`` (``for_engine``) for static shapes."""
 
     def __init__(self, rank: int, world_size: int, num_experts: int, group=None,
-                 capacity: ExpertCapacity | None = None):
-        if num_experts % world_size:
+                 capacity: ExpertCapacity | None = None, placement: ExpertPlacement | None = None):
+        """``placement``: which rank holds which experts (None: the contiguous placement, no copies)."""
+        if placement is None and num_experts % world_size:
             raise ValueError(f"{num_experts} experts cannot be split evenly over {world_size} ranks")
+        if placement is not None and (placement.num_experts, placement.world_size) != (num_experts, world_size):
+            raise ValueError(f"the placement is for {placement.num_experts} experts over {placement.world_size} "
+                             f"ranks, not {num_experts} over {world_size}")
         self.rank, self.world_size, self.group = rank, world_size, group
-        self.per_rank = num_experts // world_size
+        self.placement = placement  # updated by a rebalance (workers/expert_balancer.py)
+        self.slots_per_rank = placement.slots_per_rank if placement is not None else num_experts // world_size
         self.capacity = capacity
         self.step_tokens: int | None = None  # see set_step_tokens
         self.stats = DispatchStats()
-        experts = self.expert_range()
+        slots = self.expert_range()
         sizing = capacity.describe() if capacity is not None else \
             "sized per layer by the largest batch of the ranks (no fixed capacity given)"
-        log.info("expert parallel: rank %d of %d holds experts %d-%d (%d of %d); dispatch capacity: %s", rank,
-                 world_size, experts.start, experts.stop - 1, self.per_rank, num_experts, sizing)
+        held = f"experts {slots.start}-{slots.stop - 1} ({self.slots_per_rank} of {num_experts})"
+        if placement is not None and not placement.is_contiguous():
+            held = (f"slots {slots.start}-{slots.stop - 1} ({self.slots_per_rank} per layer of {placement.num_slots}: "
+                    f"{num_experts} experts + {placement.num_redundant} redundant copies)")
+        log.info("expert parallel: rank %d of %d holds %s; dispatch capacity: %s", rank, world_size, held, sizing)
 
     @classmethod
     def for_engine(cls, rank: int, world_size: int, num_experts: int, top_k: int, max_num_seqs: int,
                    max_num_batched_tokens: int, capacity_factor: float | None = None,
-                   group=None) -> "ExpertParallelDispatcher":
+                   group=None, placement: ExpertPlacement | None = None) -> "ExpertParallelDispatcher":
         """The dispatcher of an engine rank, with the fixed capacity of its step limits."""
         capacity = ExpertCapacity.plan(max_num_seqs, max_num_batched_tokens, world_size=world_size,
                                        num_experts=num_experts, top_k=top_k, capacity_factor=capacity_factor)
-        return cls(rank, world_size, num_experts, group, capacity)
+        return cls(rank, world_size, num_experts, group, capacity, placement)
+
+    @classmethod
+    def for_config(cls, rank: int, config, cfg, group=None) -> "ExpertParallelDispatcher":
+        """The dispatcher of an engine rank from the engine's ``EngineConfig`` and the model's
+        ``V41Config``: capacity from the step limits, placement from the expert-load flags."""
+        from .expert_balancer import startup_placement
+
+        return cls.for_engine(rank, config.dp_size, cfg.num_routed_experts, cfg.num_experts_per_token,
+                              config.max_num_seqs, config.max_num_batched_tokens, config.expert_capacity_factor,
+                              group, startup_placement(config, cfg, rank))
 
     def expert_range(self) -> range:
-        return range(self.rank * self.per_rank, (self.rank + 1) * self.per_rank)
+        """The global slot ids this rank holds (with the contiguous placement: its expert ids)."""
+        return range(self.rank * self.slots_per_rank, (self.rank + 1) * self.slots_per_rank)
+
+    def expert_shard(self):
+        """What the loader loads on this rank (``model.loader.load_model``'s ``expert_range``)."""
+        if self.placement is None:
+            return self.expert_range()
+        from model.loader import ExpertShard
+
+        layers = tuple(self.placement.rank_experts(layer, self.rank) for layer in range(self.placement.num_layers))
+        return ExpertShard(self.expert_range().start, layers)
 
     def set_step_tokens(self, max_tokens_per_rank: int | None) -> None:
         """Announce the most tokens any rank runs in the coming forwards (None: not known).
@@ -164,7 +200,7 @@ class ExpertParallelDispatcher:
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> PendingExchange:
-        """Start sending ``x [n, D]`` with its routing (``weights``/``indices [n, k]``); returns at once."""
+        """Start sending ``x [n, D]`` with its routing (``weights``, slot ids ``indices [n, k]``); returns at once."""
         n, k = indices.shape
         w, device = self.world_size, x.device
         if w == 1:  # every expert is here: an exchange would only copy the rows to themselves
@@ -173,7 +209,7 @@ class ExpertParallelDispatcher:
             return PendingExchange(None, None, None, 0, None, None, None, x, weights, indices)
         size, header = self._exchange_size(n, device)
         block = header + size
-        owner = torch.div(indices, self.per_rank, rounding_mode="floor")
+        owner = torch.div(indices, self.slots_per_rank, rounding_mode="floor")
         needs = torch.zeros(n, w, dtype=torch.bool, device=device).scatter_(1, owner, True)
         position = torch.cumsum(needs, dim=0) - 1  # each token's place among those sent to a peer
         fits = needs & (position < size)
@@ -243,7 +279,7 @@ class ExpertParallelDispatcher:
 
     def _only_peer_experts(self, ids: torch.Tensor, peer: torch.Tensor) -> torch.Tensor:
         """``ids [R, k]`` with every id not held by the row's destination ``peer [R]`` set to NO_EXPERT."""
-        held = torch.div(ids, self.per_rank, rounding_mode="floor") == peer.unsqueeze(1)
+        held = torch.div(ids, self.slots_per_rank, rounding_mode="floor") == peer.unsqueeze(1)
         return torch.where(held, ids, NO_EXPERT)
 
     def _read_overflow_counts(self, pending: PendingExchange) -> tuple[list[int], list[int], int]:

@@ -19,11 +19,15 @@ from engine_core.config import EngineConfig
 from engine_core.protocol import RankBatch, SampledToken, SequenceStep, StepResult, TokenLogprob
 from model.batch import ForwardBatch, SequenceChunk
 from model.cache import V41Cache
+from model.device_upload import upload
 from model.loader import load_model
 from model.transformer import ModelOptions, V41Model
 
 from .cache_sizing import CacheCapacity, free_cuda_bytes_after_profile, plan_capacity
+from .expert_balancer import ExpertLoadBalancer
+from .cuda_graphs import DecodeGraphs, GraphPlan, StepShape
 from .memory import limit_native_caches
+from .rank_summary import log_rank_summary
 from .sampler import RowSpec, SamplingBatch, prompt_logprobs, sample
 from .structured_output import StructuredState, apply_bitmask
 
@@ -55,23 +59,33 @@ class ModelRunner:
             limit_native_caches()  # before the first forward: oneDNN reads its cache sizes once
         options = ModelOptions(batch_invariant=config.resolved_batch_invariant,
                                official_index_handoff=config.official_index_handoff, kernels=config.resolved_kernels)
-        expert_range = expert_parallel.expert_range() if expert_parallel is not None else None
+        expert_range = expert_parallel.expert_shard() if expert_parallel is not None else None
         self.model: V41Model = load_model(config.model, options, self.device, expert_range, config.load_format,
                                           config.engram_storage)
         self.cfg = self.model.cfg
         # under expert parallelism every rank joins every MoE all-to-all, with or without tokens
         self.always_run_forward = expert_parallel is not None
         self.expert_parallel = expert_parallel
-        for block in self.model.blocks:
-            block.moe.dispatcher = expert_parallel
+        self.expert_balance = ExpertLoadBalancer.attach(self.model, expert_parallel, config)
+        self.graph_plan = self._graph_plan()
         free = None
         if self.device.type == "cuda":
             free = free_cuda_bytes_after_profile(config, self._profile_forward)
+            if self.graph_plan is not None:
+                free -= self._profile_graph_memory()
         self.capacity: CacheCapacity = plan_capacity(config, self.cfg, free)
-        self.cache = V41Cache.allocate(self.cfg, self.capacity.num_blocks, self.capacity.num_slots,
+        # with graphs, one more block and slot than the engine may hand out: the padding rows' scratch
+        spare = int(self.graph_plan is not None)
+        self.cache = V41Cache.allocate(self.cfg, self.capacity.num_blocks + spare, self.capacity.num_slots + spare,
                                        config.block_size, self.device)
+        self.graphs: DecodeGraphs | None = None
+        if self.graph_plan is not None:
+            self.graphs = DecodeGraphs(self.model, self.cache, self.graph_plan, scratch_slot=self.capacity.num_slots,
+                                       scratch_block=self.capacity.num_blocks, dispatcher=self.expert_parallel)
+            self.graphs.capture_all()
         self.last_sampled = torch.full((0,), -1, dtype=torch.long, device=self.device)
         self.structured = StructuredState(config.model, self.cfg.vocab_size, self.cfg.eos_token_id)
+        log_rank_summary(self)
 
     def _profile_forward(self) -> None:
         n = min(self.config.max_num_batched_tokens, self.cfg.max_position_embeddings)
@@ -81,25 +95,63 @@ class ModelRunner:
         self.model.logits(self.model.forward(batch, scratch)[-1:])
         del scratch
 
+    def _graph_plan(self) -> GraphPlan | None:
+        """What to capture as CUDA graphs, or None (and why, in the log) when decode runs eagerly."""
+        config = self.config
+        reason = config.cuda_graphs_off_reason
+        if reason is not None:
+            if self.device.type == "cuda":
+                log.info("CUDA graphs off: %s", reason)
+            return None
+        return GraphPlan.for_engine(config, self.cfg, config.max_model_len or self.cfg.max_position_embeddings)
+
+    def _profile_graph_memory(self) -> int:
+        """Peak activation bytes of the largest graph's forward (run eagerly on a scratch cache): what
+        the graphs' memory pool will hold, reserved before the cache is sized."""
+        scratch = V41Cache.allocate(self.cfg, 2, 1, self.config.block_size, self.device)
+        graphs = DecodeGraphs(self.model, scratch, self.graph_plan, scratch_slot=0, scratch_block=1)
+        rows, key_tokens = self.graph_plan.largest
+        graphs._fill_padding(rows)
+        if self.expert_parallel is not None:
+            self.expert_parallel.set_step_tokens(rows)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        graphs.run_eager(rows, key_tokens)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del graphs, scratch
+        torch.cuda.empty_cache()
+        log.info("CUDA graphs: the largest decode graph (batch %d, context %d) needs %.2f GiB of activations",
+                 rows, key_tokens, peak / 2**30)
+        return peak
+
     # ------------------------------------------------------------------ one step
-    def execute(self, step_id: int, work: RankBatch, released: list[int] = ()) -> PendingStep:
-        """``released``: constrained sequences that finished (their matchers are dropped)."""
+    def execute(self, step_id: int, work: RankBatch, released: list[int] = (),
+                shape: StepShape | None = None) -> PendingStep:
+        """``released``: constrained sequences that finished (their matchers are dropped).
+        ``shape``: under expert parallelism, the shape of the whole step (every rank's part), from
+        which all ranks decide alike whether to replay a graph; None: this rank's part alone."""
         if released:
             self.structured.release(released)
+        if self.expert_balance is not None:
+            self.expert_balance.before_step(step_id)
         seqs = work.sequences
+        bucket = self._graph_bucket(seqs, shape)
         if not seqs:
-            self.last_sampled = self.last_sampled[:0]
             if self.always_run_forward:  # a placeholder step: no tokens, but every all-to-all
-                self.model.forward(self._forward_batch([]), self.cache)
+                if bucket is not None:
+                    self._replay([], bucket)
+                else:
+                    self.model.forward(self._forward_batch([]), self.cache)
+            self.last_sampled = self.last_sampled[:0]
             return PendingStep(step_id, [], None, None, None, None, [], {})
-        batch = self._forward_batch(seqs)
-        hidden = self.model.forward(batch, self.cache)
-        sample_index = [i for i, s in enumerate(seqs) if s.sample]
-        logit_rows = [batch.offsets[i] + len(seqs[i].token_ids) - 1 for i in sample_index]
-        prompt_rows = {i: (batch.offsets[i], len(s.prompt_logprob_targets))
-                       for i, s in enumerate(seqs) if s.prompt_logprob_targets}
-        rows = logit_rows + [o + j for o, n in prompt_rows.values() for j in range(n)]
-        logits = self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]) if rows else None
+        if self.expert_balance is not None:  # a graph's padding rows are no expert load
+            self.expert_balance.count_rows(len(seqs) if bucket is not None else None)
+        if bucket is not None:
+            logits, sample_index, prompt_rows = self._replay(seqs, bucket), list(range(len(seqs))), {}
+        else:
+            logits, sample_index, prompt_rows = self._eager_logits(seqs)
         sampled = top_ids = top_lp = chosen_lp = None
         constrained = False
         last = torch.full((len(seqs),), -1, dtype=torch.long, device=self.device)
@@ -110,13 +162,13 @@ class ModelRunner:
                             self._sampling_batch(seqs, sample_index))
             sampled, chosen_lp, top_ids, top_lp = (output.token_ids, output.logprobs, output.top_logprob_ids,
                                                    output.top_logprobs)
-            last[torch.tensor(sample_index, device=self.device)] = sampled
+            last[upload(sample_index, torch.long, self.device)] = sampled
         self.last_sampled = last
         prompt = {}
         offset = len(sample_index)
         for i, (_, n) in prompt_rows.items():
             step = seqs[i]
-            targets = torch.tensor(step.prompt_logprob_targets, dtype=torch.long, device=self.device)
+            targets = upload(step.prompt_logprob_targets, torch.long, self.device)
             result = prompt_logprobs(logits[offset:offset + n], targets, step.params.prompt_logprobs or 0)
             prompt[i] = (result.token_logprobs, result.top_ids, result.top_logprobs)
             offset += n
@@ -148,7 +200,36 @@ class ModelRunner:
             token = tokens.get(i) or SampledToken(step.seq_id, step.epoch, -1)
             token.prompt_logprobs = entries
             tokens[i] = token
-        return StepResult(pending.step_id, self.rank, [tokens[i] for i in sorted(tokens)])
+        load = self.expert_balance.report(pending.step_id) if self.expert_balance is not None else None
+        return StepResult(pending.step_id, self.rank, [tokens[i] for i in sorted(tokens)], expert_load=load)
+
+    # ------------------------------------------------------------------ forward
+    def _eager_logits(self, seqs: list[SequenceStep]):
+        """(logits of the sampled rows, then of the prompt-logprob rows; which sequences sample;
+        sequence index -> (first row, count) of its prompt-logprob rows) from an eager forward."""
+        batch = self._forward_batch(seqs)
+        hidden = self.model.forward(batch, self.cache)
+        sample_index = [i for i, s in enumerate(seqs) if s.sample]
+        logit_rows = [batch.offsets[i] + len(seqs[i].token_ids) - 1 for i in sample_index]
+        prompt_rows = {i: (batch.offsets[i], len(s.prompt_logprob_targets))
+                       for i, s in enumerate(seqs) if s.prompt_logprob_targets}
+        rows = logit_rows + [o + j for o, n in prompt_rows.values() for j in range(n)]
+        logits = self.model.logits(hidden[upload(rows, torch.long, self.device)]) if rows else None
+        return logits, sample_index, prompt_rows
+
+    def _graph_bucket(self, seqs: list[SequenceStep], shape: StepShape | None) -> tuple[int, int] | None:
+        """The captured graph this step replays: a decode step (one sampled token per sequence, no
+        prompt logprobs) within the captured batch sizes and contexts; else None (eager)."""
+        if self.graphs is None:
+            return None
+        if self.expert_parallel is not None:
+            return None if shape is None else self.graphs.bucket(shape)  # all ranks alike, or none
+        return self.graphs.bucket(StepShape.of([seqs])) if seqs else None
+
+    def _replay(self, seqs: list[SequenceStep], bucket: tuple[int, int]) -> torch.Tensor:
+        self.graphs.load([s.token_ids[0] for s in seqs], [s.start for s in seqs], [s.slot for s in seqs],
+                         [s.prev_row for s in seqs], [s.block_table for s in seqs], bucket, self.last_sampled)
+        return self.graphs.replay(bucket, len(seqs))
 
     # ------------------------------------------------------------------ helpers
     def _forward_batch(self, seqs: list[SequenceStep]) -> ForwardBatch:
@@ -162,14 +243,14 @@ class ModelRunner:
             flat.extend(step.token_ids)
             positions.extend(range(step.start, step.start + len(step.token_ids)))
             tables[i, : len(step.block_table)] = torch.tensor(step.block_table, dtype=torch.long)
-        tables = tables.to(self.device)  # one host-to-device copy for every block table
+        tables = upload(tables, torch.long, self.device)  # one host-to-device copy for every block table
         chunks = [SequenceChunk(step.start, len(step.token_ids), step.slot, tables[i, : len(step.block_table)],
                                 step.previous_start) for i, step in enumerate(seqs)]
-        token_ids = torch.tensor(flat, dtype=torch.long).to(self.device)
+        token_ids = upload(flat, torch.long, self.device)
         if refs:
             # tokens sampled by the previous step, still on the device
-            token_ids[torch.tensor(refs, device=self.device)] = self.last_sampled[torch.tensor(ref_rows, device=self.device)]
-        return ForwardBatch(token_ids, torch.tensor(positions, dtype=torch.long).to(self.device), chunks)
+            token_ids[upload(refs, torch.long, self.device)] = self.last_sampled[upload(ref_rows, torch.long, self.device)]
+        return ForwardBatch(token_ids, upload(positions, torch.long, self.device), chunks)
 
     def _sampling_batch(self, seqs: list[SequenceStep], sample_index: list[int]) -> SamplingBatch:
         rows = []
@@ -182,12 +263,12 @@ class ModelRunner:
         # penalties must also see an output token that is still on the device
         pending = [(r, i) for r, i in enumerate(sample_index) if seqs[i].prev_row >= 0 and seqs[i].params.uses_penalties]
         if pending and (batch.output_counts is not None or batch.seen_mask is not None):
-            r_idx = torch.tensor([r for r, _ in pending], device=self.device)
-            toks = self.last_sampled[torch.tensor([seqs[i].prev_row for _, i in pending], device=self.device)]
+            r_idx = upload([r for r, _ in pending], torch.long, self.device)
+            toks = self.last_sampled[upload([seqs[i].prev_row for _, i in pending], torch.long, self.device)]
             if batch.output_counts is not None:
                 batch.output_counts.index_put_((r_idx, toks), torch.ones_like(toks, dtype=torch.float32), accumulate=True)
             if batch.seen_mask is not None:
-                batch.seen_mask[r_idx, toks] = True
+                batch.seen_mask.index_put_((r_idx, toks), torch.ones_like(toks, dtype=torch.bool))
         return batch
 
     def _apply_grammars(self, logits: torch.Tensor, seqs: list[SequenceStep], sample_index: list[int]) -> bool:
@@ -199,7 +280,7 @@ class ModelRunner:
         on_device = [r for r in rows if self.structured.needs_device_input(seqs[sample_index[r]])]
         known: dict[int, int] = {}
         if on_device:
-            prev = torch.tensor([seqs[sample_index[r]].prev_row for r in on_device], device=self.device)
+            prev = upload([seqs[sample_index[r]].prev_row for r in on_device], torch.long, self.device)
             known = dict(zip(on_device, self.last_sampled[prev].tolist()))
         states = []
         for r in rows:
@@ -222,7 +303,8 @@ class ModelRunner:
         if not rows:
             return logits
         suppressed = logits.clone()
-        suppressed[torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)] = -torch.inf
+        minus_inf = torch.full((), -torch.inf, device=self.device)  # a device value: a Python one is a host copy
+        suppressed.index_put_((upload(rows, torch.long, self.device), upload(cols, torch.long, self.device)), minus_inf)
         if any(seqs[i].params.structured is not None for i in sample_index):
             dead = ~torch.isfinite(suppressed).any(dim=-1, keepdim=True)  # no sync: a select, not a branch
             suppressed = torch.where(dead, logits, suppressed)

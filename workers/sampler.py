@@ -107,7 +107,7 @@ def filter_logits(
     The use_* flags only skip work when no row needs it; a row with its filter off gets an
     all-False mask either way, so the flags never change a row's result.
     """
-    neg_inf = torch.tensor(float("-inf"), dtype=x.dtype, device=x.device)
+    neg_inf = torch.full((), float("-inf"), dtype=x.dtype, device=x.device)  # a fill, not a host copy
     if use_top_k_top_p:
         # Stable descending sort: equal logits keep id order, so the cut is well defined.
         sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from workers import sampling_noise
+from model.device_upload import upload
 
 # SamplingParams travels in step plans, so it lives with the other wire types.
 from engine_core.protocol import SamplingParams  # noqa: E402
@@ -70,7 +71,7 @@ class SamplingBatch:
         params = [r.params for r in rows]
 
         def f32(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32).to(device)
+            return upload(values, torch.float32, device)
 
         greedy = [p.is_greedy for p in params]
         sample_rows = torch.tensor([i for i, g in enumerate(greedy) if not g], dtype=torch.int64)
@@ -103,14 +104,14 @@ class SamplingBatch:
             num_rows=R,
             vocab_size=V,
             device=device,
-            sample_rows=sample_rows.to(device),
+            sample_rows=upload(sample_rows, torch.int64, device),
             temperature=f32(temperature),
-            top_k=torch.tensor(top_k, dtype=torch.int64).to(device),
-            top_p=torch.tensor(top_p, dtype=torch.float64).to(device),
+            top_k=upload(top_k, torch.int64, device),
+            top_p=upload(top_p, torch.float64, device),
             min_p=f32(min_p),
             use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in sampled),
             use_min_p=any(p.min_p > 0.0 for p in sampled),
-            keys=keys.to(device),
+            keys=upload(keys, torch.int64, device),
             mixed_tokens=sampling_noise.token_mix(V, device),
             repetition_penalty=f32([p.repetition_penalty for p in params]) if use_rep else None,
             seen_mask=seen_mask,
@@ -139,9 +140,9 @@ def _flat_token_index(rows: Sequence[RowSpec], vocab_size: int, with_prompt: boo
 
 def _token_mask(rows: Sequence[RowSpec], vocab_size: int, device: torch.device) -> torch.Tensor:
     """[R, V] bool: the token occurs in the row's prompt or output (repetition penalty)."""
-    index = _flat_token_index(rows, vocab_size, with_prompt=True).to(device)
+    index = upload(_flat_token_index(rows, vocab_size, with_prompt=True), torch.int64, device)
     mask = torch.zeros(len(rows) * vocab_size, dtype=torch.bool, device=device)
-    mask[index] = True  # duplicates all write True: order-independent
+    mask.scatter_(0, index, True)  # duplicates all write True: order-independent; no host value copied
     return mask.view(len(rows), vocab_size)
 
 
@@ -151,7 +152,7 @@ def _output_counts(rows: Sequence[RowSpec], vocab_size: int, device: torch.devic
     scatter_add of 1.0s is exact for counts below 2**24, so device atomics cannot make
     the result order-dependent.
     """
-    index = _flat_token_index(rows, vocab_size, with_prompt=False).to(device)
+    index = upload(_flat_token_index(rows, vocab_size, with_prompt=False), torch.int64, device)
     counts = torch.zeros(len(rows) * vocab_size, dtype=torch.float32, device=device)
     counts.scatter_add_(0, index, torch.ones_like(index, dtype=torch.float32))
     return counts.view(len(rows), vocab_size)
@@ -174,7 +175,7 @@ def _logit_bias(
     if not rows:
         return None, None, None
     return (
-        torch.tensor(rows, dtype=torch.int64).to(device),
-        torch.tensor(tokens, dtype=torch.int64).to(device),
-        torch.tensor(values, dtype=torch.float32).to(device),
+        upload(rows, torch.int64, device),
+        upload(tokens, torch.int64, device),
+        upload(values, torch.float32, device),
     )

@@ -1,22 +1,29 @@
 """A worker process: one per device (or CPU rank). Receives every step plan, runs its DP rank's
 part on its model shard and caches, and returns its sampled tokens.
 
-Startup: set up torch.distributed when there are several ranks (experts are sharded over them),
-load the model, size and allocate the caches, then report ``ready`` with the cache geometry.
-The worker exits when the engine core asks, or when its parent process is gone (then it also
+Startup: report ``joined`` (with the host name) as soon as the links to the engine core are open,
+set up torch.distributed when there are several ranks (experts are sharded over them), load the
+model, size and allocate the caches, then report ``ready`` with the cache geometry. The worker's
+parent is the engine core, or on another node the headless supervisor (engine_core/headless.py);
+the worker exits when the engine core asks, or when its parent process is gone (then it also
 removes the socket directory, since nothing above it may be left to do so). A malformed message
 on the step socket is dropped (``ipc.parse``), never fatal; so is a plan without this rank's part.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
+import socket
+import sys
 import traceback
 
 import msgspec
 import zmq
 
+from engine_core.cluster import NodeLayout
 from engine_core.config import EngineConfig
 from engine_core.ipc import DropLog, Endpoints, parse, send
 from engine_core.log_setup import configure_logging, worker_process_name
@@ -27,42 +34,51 @@ from .memory import MallocTrimmer
 log = logging.getLogger(__name__)
 PARENT_CHECK_INTERVAL_MS = 1000
 STEP_TYPES = {MessageType.STEP: StepPlan, MessageType.CONTROL: WorkerControl}
+FAILURE_REPORT_LINGER_MS = 5000  # a startup error must reach the engine core, even over a slow link
+PR_SET_PDEATHSIG = 1  # prctl(2)
+STARTUP_FAILED_EXIT_CODE = 3  # "could not start, and the engine core was told why" (for a headless supervisor)
 
 
-def _init_distributed(config: EngineConfig, rank: int, dist_port: int):
+def _init_distributed(config: EngineConfig, rank: int, dist_init_method: str):
     import torch
     import torch.distributed as dist
 
     if config.device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device(NodeLayout.of(config).local_rank(rank))
     backend = "nccl" if config.device == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank,
-                            world_size=config.dp_size)
+    dist.init_process_group(backend, init_method=dist_init_method, rank=rank, world_size=config.dp_size)
 
 
-def worker_main(config_json: bytes, endpoints_json: bytes, rank: int, dist_port: int, log_level: str) -> None:
+def worker_main(config_json: bytes, endpoints_json: bytes, rank: int, dist_init_method: str, log_level: str) -> None:
+    """``rank``: the global DP rank; ``dist_init_method``: torch.distributed's rendezvous (``tcp://host:port``)."""
     configure_logging(log_level, worker_process_name(rank))
     config = msgspec.json.decode(config_json, type=EngineConfig)
     endpoints = msgspec.json.decode(endpoints_json, type=Endpoints)
     parent = os.getppid()
+    if config.headless:
+        _die_with_parent(parent)
     context = zmq.Context()
     steps = endpoints.socket(context, zmq.SUB, endpoints.steps, bind=False)
     steps.setsockopt(zmq.SUBSCRIBE, b"")
     results = endpoints.socket(context, zmq.PUSH, endpoints.results, bind=False)
+    send(results, MessageType.CONTROL, WorkerControl("joined", rank, device_name=socket.gethostname()))
     try:
-        runner = _build_runner(config, rank, dist_port)
+        runner = _build_runner(config, rank, dist_init_method)
     except Exception as exc:  # report why, so the engine can tell the user (the frontend logs it once)
         # a bad file or too little memory needs no traceback (DEBUG shows it); anything else is likely a bug
         expected = isinstance(exc, (ValueError, OSError, RuntimeError)) and str(exc)
         reason = str(exc) if expected else f"{type(exc).__name__}: {exc}"
         send(results, MessageType.CONTROL, WorkerControl("ready", rank, error=reason))
         log.log(logging.DEBUG if expected else logging.ERROR, "worker %d failed to start", rank, exc_info=True)
-        return
+        if expected and config.headless:  # node 0 says why; so does this node's own log
+            log.error("worker %d failed to start: %s", rank, reason)
+        results.close(linger=FAILURE_REPORT_LINGER_MS)
+        sys.exit(STARTUP_FAILED_EXIT_CODE)
     cap = runner.capacity
     send(results, MessageType.CONTROL, WorkerControl(
         "ready", rank, num_blocks=cap.num_blocks, num_slots=cap.num_slots, max_model_len=cap.max_model_len,
         vocab_size=runner.cfg.vocab_size, eos_token_id=runner.cfg.eos_token_id,
-        device_name=describe_device(runner.device, config), kv_cache_dtype=_dtype_name(runner.cache.window[0].dtype)))
+        device_name=describe_device(runner.device, config), kv_cache_dtype=runner.cache.storage_summary()))
     poller = zmq.Poller()
     poller.register(steps, zmq.POLLIN)
     drops = DropLog(f"worker {rank} steps")
@@ -85,35 +101,47 @@ def worker_main(config_json: bytes, endpoints_json: bytes, rank: int, dist_port:
         context.term()
 
 
+def _die_with_parent(parent: int) -> None:
+    """On a headless node: end with the supervisor, even while blocked in the torch.distributed
+    rendezvous or a collective, where the parent check of the step loop cannot run (Linux; the
+    supervisor starts its workers from its main thread, which lives as long as it does)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the step loop's parent check remains
+        return
+    if os.getppid() != parent:  # it died before the request took effect
+        os._exit(1)
+
+
 def describe_device(device, config: EngineConfig) -> str:
     """The device a worker runs on, as the startup summary shows it."""
     import torch
 
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        return f"{device} {props.name} ({props.total_memory / 2**30:.1f} GiB)"
-    threads = config.cpu_threads
-    return f"cpu ({threads} thread{'s' if threads != 1 else ''})"
+        name = f"{device} {props.name} ({props.total_memory / 2**30:.1f} GiB)"
+    else:
+        threads = config.cpu_threads
+        name = f"cpu ({threads} thread{'s' if threads != 1 else ''})"
+    return f"{name} on {socket.gethostname()}" if config.nnodes > 1 else name
 
 
-def _dtype_name(dtype) -> str:
-    return {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}.get(str(dtype), str(dtype))
 
-
-def _build_runner(config: EngineConfig, rank: int, dist_port: int):
+def _build_runner(config: EngineConfig, rank: int, dist_init_method: str):
     from .model_runner import ModelRunner
 
     if config.dp_size == 1:
         return ModelRunner(config, rank)
     from .expert_parallel import ExpertParallelDispatcher
 
-    _init_distributed(config, rank, dist_port)
+    _init_distributed(config, rank, dist_init_method)
+    if config.nnodes > 1:  # each node resolved its own flags: all must agree before any exchange
+        from .rank_agreement import check_ranks_agree
+
+        check_ranks_agree(config, rank)
     from model.config import V41Config
 
-    cfg = V41Config.from_pretrained(config.model)
-    dispatcher = ExpertParallelDispatcher.for_engine(
-        rank, config.dp_size, cfg.num_routed_experts, cfg.num_experts_per_token, config.max_num_seqs,
-        config.max_num_batched_tokens, config.expert_capacity_factor)
+    dispatcher = ExpertParallelDispatcher.for_config(rank, config, V41Config.from_pretrained(config.model))
     return ModelRunner(config, rank, dispatcher)
 
 
@@ -147,12 +175,16 @@ def _prepare_grammar(runner, structured) -> None:
 
 def _run_step(runner, plan: StepPlan, rank: int) -> StepResult:
     try:
+        shape = None
         if runner.expert_parallel is not None:
+            from .cuda_graphs import StepShape  # here: this module itself imports no torch
             # every rank sees the whole plan, so all announce the same size without talking: the
-            # MoE exchanges of this step shrink to the busiest rank's tokens
+            # MoE exchanges of this step shrink to the busiest rank's tokens; and all decide alike
+            # whether the step replays a CUDA graph, and which one
             runner.expert_parallel.set_step_tokens(max(sum(len(s.token_ids) for s in batch.sequences)
                                                        for batch in plan.ranks))
-        return runner.collect(runner.execute(plan.step_id, plan.ranks[rank], plan.released_seq_ids))
+            shape = StepShape.of([batch.sequences for batch in plan.ranks])
+        return runner.collect(runner.execute(plan.step_id, plan.ranks[rank], plan.released_seq_ids, shape))
     except Exception:
         log.exception("step %d failed", plan.step_id)
         return StepResult(plan.step_id, rank, [], error=traceback.format_exc(limit=8))

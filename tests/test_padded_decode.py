@@ -1,0 +1,163 @@
+"""The padded decode batch (what a CUDA graph replays) against the general forward, on CPU.
+
+A padded decode batch fixes every shape: the indexer scores a fixed number of keys, attention runs
+every listed column, rows that do not close a compressor group write a not yet visible entry, and
+rows beyond the real ones write a scratch slot and block. In the engine's packed layout a row's
+attention does not depend on its list's width (whole 64-entry blocks), so the padded batch
+computes what the general forward computes, bit for bit (batch-invariant mode, fixed input tokens
+so that both see the same ones), whatever its padding rows and context bucket.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from model.batch import ForwardBatch
+from model.cache import V41Cache
+from model.sparse_attention import sparse_attention_padded
+from workers.cuda_graphs import DecodeGraphs, GraphPlan, batch_buckets, context_buckets
+
+BLOCK = 16
+PROMPTS = [[3 + (i * 7 + j * 5) % 300 for j in range(n)] for i, n in enumerate((5, 17, 33, 40, 64))]
+STEPS = 12
+
+
+def _prefilled(model, num_slots: int, num_blocks: int):
+    """A cache holding every prompt (sequence i in slot i, blocks from one counter), and their tables."""
+    cache = V41Cache.allocate(model.cfg, num_blocks, num_slots, BLOCK)
+    tables, next_block = [], 1
+    longest = max(map(len, PROMPTS)) + STEPS
+    for i, prompt in enumerate(PROMPTS):
+        blocks = -(-longest // BLOCK)
+        tables.append(list(range(next_block, next_block + blocks)))
+        next_block += blocks
+        model.forward(ForwardBatch.build([prompt], [0], [i], [tables[-1]]), cache)
+    return cache, tables
+
+
+def _plan(rows: int, key_tokens: int) -> GraphPlan:
+    return GraphPlan([rows], [key_tokens], -(-key_tokens // BLOCK), max_previous_rows=len(PROMPTS))
+
+
+def _forced_tokens(step: int) -> list[int]:
+    """The input tokens of a decode step: fixed (not sampled), so that both paths see the same ones."""
+    return [5 + (step * 31 + i * 17) % 900 for i in range(len(PROMPTS))]
+
+
+def _decode_general(model, cache, tables):
+    starts = [len(p) for p in PROMPTS]
+    out = []
+    for step in range(STEPS):
+        batch = ForwardBatch.build([[t] for t in _forced_tokens(step)], [s + step for s in starts],
+                                   list(range(len(PROMPTS))), tables)
+        out.append(model.logits(model.forward(batch, cache)))
+    return torch.stack(out)
+
+
+def _decode_padded(model, cache, tables, rows: int, key_tokens: int, scratch_slot: int, scratch_block: int):
+    graphs = DecodeGraphs(model, cache, _plan(rows, key_tokens), scratch_slot, scratch_block)
+    starts = [len(p) for p in PROMPTS]
+    n = len(PROMPTS)
+    out, last = [], torch.zeros(0, dtype=torch.long)
+    for step in range(STEPS):
+        # odd steps take their tokens from the previous step's "samples" on the device, as under
+        # zero-overhead scheduling (placeholders on the host)
+        from_device = step % 2 == 1
+        tokens = [0] * n if from_device else _forced_tokens(step)
+        previous = list(range(n)) if from_device else [-1] * n
+        graphs.load(tokens, [s + step for s in starts], list(range(n)), previous, tables, (rows, key_tokens), last)
+        graphs.run_eager(rows, key_tokens)
+        out.append(graphs.logits[:n].clone())
+        last = torch.tensor(_forced_tokens(step + 1))
+    return torch.stack(out)
+
+
+@pytest.fixture(scope="module")
+def prefilled(tiny_model):
+    n = len(PROMPTS)
+    blocks = 1 + n * -(-(max(map(len, PROMPTS)) + STEPS) // BLOCK)
+    cache, tables = _prefilled(tiny_model, n + 1, blocks + 1)  # + the scratch slot and block
+    return cache, tables, n, blocks
+
+
+def test_padded_decode_matches_general_forward(tiny_model, prefilled):
+    cache, tables, n, blocks = prefilled
+    general = _decode_general(tiny_model, copy.deepcopy(cache), tables)
+    padded = _decode_padded(tiny_model, copy.deepcopy(cache), tables, rows=8, key_tokens=256,
+                            scratch_slot=n, scratch_block=blocks)
+    assert torch.equal(general, padded)
+
+
+def test_padding_rows_and_buckets_change_no_real_row(tiny_model, prefilled):
+    """A real row's logits are the same with 0 or 11 padding rows and with any context bucket (keys
+    beyond a row's visible ones never count), and the padding rows leave every real sequence's
+    cache state untouched."""
+    cache, tables, n, blocks = prefilled
+    runs, states = [], []
+    for rows, key_tokens in ((n, 128), (16, 128), (8, 512)):
+        states.append(copy.deepcopy(cache))
+        runs.append(_decode_padded(tiny_model, states[-1], tables, rows, key_tokens, n, blocks))
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+    unpadded, padded = states[0], states[1]
+    cfg = tiny_model.cfg
+    slots, ring = torch.arange(n).unsqueeze(-1), torch.arange(cfg.sliding_window)
+    for layer in range(cfg.num_layers):
+        assert torch.equal(unpadded.read_window(layer, slots, ring), padded.read_window(layer, slots, ring))
+    real_blocks = torch.arange(1, blocks).unsqueeze(-1)
+    for layer in cfg.kv_source_layers:
+        rows = torch.arange(BLOCK // cfg.compress_ratios[layer])
+        for read in ("read_compressed_kv", "read_index_keys"):
+            assert torch.equal(getattr(unpadded, read)(layer, real_blocks, rows),
+                               getattr(padded, read)(layer, real_blocks, rows))
+    assert torch.equal(unpadded.engram_history[:n], padded.engram_history[:n])
+
+
+def test_buckets():
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert batch_buckets(3) == [1, 2, 3]
+    assert batch_buckets(256, (4, 300, 1)) == [1, 4, 256]
+    assert context_buckets(8192) == [1024, 2048, 4096, 8192]
+    assert context_buckets(3000) == [1024, 2048, 3000]
+    assert context_buckets(200) == [200]
+
+
+def test_padded_attention_does_not_depend_on_the_list_width():
+    """Holes appended to every list (any number, across 64-entry blocks) change no row's output."""
+    generator = torch.Generator().manual_seed(0)
+    t, h, d, width = 6, 4, 32, 70
+    q = torch.randn(t, h, d, generator=generator).bfloat16()
+    kv = torch.randn(t, width, d, generator=generator).bfloat16()
+    valid = torch.rand(t, width, generator=generator) > 0.3
+    sink = torch.randn(h, generator=generator)
+    base = sparse_attention_padded(q, kv, valid, sink, 0.2)
+    for extra in (1, 58, 64, 130):
+        padded_kv = torch.cat([kv, torch.randn(t, extra, d, generator=generator).bfloat16()], dim=1)
+        padded_valid = torch.cat([valid, torch.zeros(t, extra, dtype=torch.bool)], dim=1)
+        assert torch.equal(sparse_attention_padded(q, padded_kv, padded_valid, sink, 0.2), base)
+
+
+def test_every_rank_picks_the_same_graph_from_the_whole_plan(tiny_model):
+    """Under expert parallelism all ranks must run the same exchanges: the bucket comes from the
+    step's shape over every rank (the busiest rank's size, the longest context), an idle rank
+    included, and one rank's prefill makes the whole step eager."""
+    from engine_core.protocol import SequenceStep
+    from workers.cuda_graphs import StepShape
+
+    def decode(seq_id: int, start: int) -> SequenceStep:
+        return SequenceStep(seq_id, 0, start, [5], seq_id, list(range(1, 2 + start // BLOCK)), True)
+
+    cache = V41Cache.allocate(tiny_model.cfg, 4, 2, BLOCK)
+    graphs = DecodeGraphs(tiny_model, cache, GraphPlan([1, 2, 4, 8], [64, 128], 8, 8), 1, 3)
+    busy, idle = [decode(1, 10), decode(2, 70), decode(3, 3)], []
+    shape = StepShape.of([busy, idle])
+    assert (shape.decode_only, shape.rows, shape.longest_context) == (True, 3, 71)
+    assert graphs.bucket(shape) == (4, 128)
+    assert graphs.bucket(StepShape.of([idle, idle])) == (1, 64)  # nothing anywhere: the smallest graph
+    prefill = SequenceStep(4, 0, 0, [5, 6, 7], 0, [1], True)
+    assert graphs.bucket(StepShape.of([busy, [prefill]])) is None
+    assert graphs.bucket(StepShape.of([[decode(i, 1) for i in range(9)]])) is None  # beyond the largest size
+    assert graphs.bucket(StepShape.of([[decode(1, 128)]])) is None  # beyond the longest context
