@@ -132,6 +132,9 @@ def main() -> int:
     parser.add_argument("--batch", default="1,8,32,128,256")
     parser.add_argument("--context", type=int, default=64, help="prompt tokens per sequence")
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per batch")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="prefill chunk per step (default: max(2048, min(8 x context, 8192)); the torch "
+                             "indexer of a prefill chunk holds chunk x context / ratio keys)")
     parser.add_argument("--reference-max-batch", type=int, default=8,
                         help="largest batch run with the reference kernels (they are slow)")
     parser.add_argument("--reference-steps", type=int, default=2)
@@ -167,7 +170,8 @@ def main() -> int:
         llm = LLM(args.model, device=device, kernels=kernels, batch_invariant=batch_invariant, load_format="dummy",
                   enforce_eager=eager,
                   max_num_seqs=max(runnable),
-                  max_num_batched_tokens=max(2048, args.context * 8), max_model_len=args.context + steps + 8,
+                  max_num_batched_tokens=args.max_num_batched_tokens or max(2048, min(args.context * 8, 8192)),
+                  max_model_len=args.context + steps + 8,
                   gpu_memory_utilization=0.85)
         load_s = time.perf_counter() - started
         runner = llm.engine.executor.runner

@@ -12,9 +12,11 @@ Each DP rank has its own KV blocks, state slots and running list. Waiting sequen
 FIFO queue and get a rank when they are admitted: the rank with the most free capacity
 (``_pick_rank``). The head of the queue never waits while some rank could take it, and a burst
 after a few long requests spreads over every rank (tests/test_dp_balance.py). When a rank runs
-out of blocks during decode, its running sequence with the longest output is preempted: its
-blocks and slot are freed, its epoch bumped, and it waits at the front of the queue to be
-recomputed from its known tokens.
+out of blocks during decode, its most recently arrived running sequence is preempted (as vLLM
+does): its blocks and slot are freed, its epoch bumped, and it waits at the front of the queue to
+be recomputed from its known tokens. Taking the newest keeps the oldest requests moving (first
+come, first served) and usually throws away the least work; taking the longest output instead
+would recompute the most and could preempt the same old request over and over.
 """
 
 from __future__ import annotations
@@ -231,7 +233,7 @@ class Scheduler:
                         seq.num_tokens + seq.num_inflight_tokens >= self.max_len:
                     continue  # its last token is in flight: it finishes when that arrives
                 while self._blocks_needed(seq, seq.num_cached_tokens + 1) > rank.blocks.num_free:
-                    victim = max(rank.running, key=lambda s: (s.num_outputs_expected, s.arrival_time))
+                    victim = max(rank.running, key=lambda s: s.arrival_time)
                     self._preempt(victim)
                     if victim in scheduled:
                         scheduled.remove(victim)

@@ -11,13 +11,12 @@ with one rank holding every expert.
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from expert_dispatch_ranks import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
+from expert_dispatch_ranks import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, join_gloo_group
 
 LAYERS = (0, 3)
 HOT_BIAS = 1000.0
@@ -81,10 +80,7 @@ def rank_main(rank: int, world_size: int, checkpoint: str, store_path: str, out_
     from workers.expert_parallel import ExpertParallelDispatcher
     from workers.expert_weight_moves import expert_tensors
 
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=120))
+    join_gloo_group(rank, world_size, store_path)
     try:
         cfg = V41Config.from_pretrained(checkpoint)
         results = {}

@@ -98,14 +98,19 @@ def run_rank_processes(target, world_size: int, checkpoint: str, out_dir: Path, 
     return [torch.load(Path(out_dir) / f"rank{rank}.pt") for rank in range(world_size)]
 
 
-def rank_main(rank: int, world_size: int, checkpoint: str, store_path: str, out_dir: str) -> None:
-    from model.loader import load_model
-    from workers.expert_parallel import ExpertParallelDispatcher
-
+def join_gloo_group(rank: int, world_size: int, store_path: str) -> None:
+    """One CPU rank of the test's gloo group (one thread: the ranks share the machine's cores)."""
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=120))
+
+
+def rank_main(rank: int, world_size: int, checkpoint: str, store_path: str, out_dir: str) -> None:
+    from model.loader import load_model
+    from workers.expert_parallel import ExpertParallelDispatcher
+
+    join_gloo_group(rank, world_size, store_path)
     try:
         probe = ExpertParallelDispatcher(rank, world_size, num_experts=_num_experts(checkpoint))
         model = load_model(checkpoint, expert_range=probe.expert_range())

@@ -160,7 +160,7 @@ def test_preemption_frees_blocks_and_slot_bumps_epoch_and_requeues_at_the_front(
         check_invariants(sched)
     assert not plan.is_prefill and len(d.plans) == 6  # prefill + the fifth decode step
     victim, running = d.preempted[0]
-    # equal outputs: the tie goes to the latest arrival (c), although b is the one that needed a block
+    # the latest arrival (c) goes, although b is the one that needed a block
     assert victim == 2 and sorted(running) == [(0, 5), (1, 5), (2, 5)]
     assert {s.seq_id for s in rows(plan)} == {0, 1}
     assert sched.num_preemptions == 1 and sched.stats().preemptions == 1
@@ -193,7 +193,7 @@ def test_preempted_sequence_is_recomputed_from_position_0_with_its_outputs():
     assert_all_free(sched)
 
 
-def test_preemption_victim_is_the_running_sequence_with_the_longest_output():
+def test_preemption_victim_is_the_latest_arrival_not_the_longest_output():
     sched = make_scheduler(num_blocks=7, block_size=4, max_num_batched_tokens=64)
     d = Driver(sched)
     d.add(make_seq(0, 3, max_tokens=30))
@@ -205,8 +205,8 @@ def test_preemption_victim_is_the_running_sequence_with_the_longest_output():
         d.step()
     victim, running = d.preempted[0]
     outputs = dict(running)
-    assert victim == 0 and outputs[0] > max(outputs[1], outputs[2])  # strictly the longest, not a tie
-    assert not d.plans[-1].is_prefill and 0 not in {s.seq_id for s in rows(d.plans[-1])}
+    assert victim == 2 and outputs[0] > max(outputs[1], outputs[2])  # 0 has the longest output, yet stays
+    assert not d.plans[-1].is_prefill and 2 not in {s.seq_id for s in rows(d.plans[-1])}
 
 
 def test_after_a_prefill_step_all_running_sequences_decode_in_every_step():
