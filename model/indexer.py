@@ -74,6 +74,9 @@ def candidate_mask(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int
     return keep.repeat_interleave(block_size, dim=-1)[:, :width]
 
 
+SCORE_ELEMENTS = 2**27  # elements of the largest per-query key or per-head score tensor made at once
+
+
 class Indexer:
     def __init__(self, layer_id: int, ratio: int, wq_b: Linear, weights_proj: Linear, num_heads: int,
                  head_dim: int, rope_dims: int, topk: int, is_candidate_source: bool, uses_candidates: bool,
@@ -176,9 +179,20 @@ class Indexer:
                 if mask is not None:
                     published[rows, :n] = mask
         else:
-            scores = self._scores(q, weights, keys[layout.seq], batched=True)
-            selection, mask = self._pick(scores, batch.positions, candidates)
-            entries, counts, published = selection.entries, selection.counts, mask
+            # every query its own product against its sequence's keys, a slice of queries at a time:
+            # the per-query keys and per-head scores of a long prefill chunk would not fit at once
+            # (8K queries x 8K keys x 128 dims is 16 GiB); rows are independent, so slicing
+            # changes no bit
+            step = max(1, SCORE_ELEMENTS // (width * max(q.shape[1], q.shape[2])))
+            for start in range(0, t, step):
+                rows = slice(start, min(start + step, t))
+                scores = self._scores(q[rows], weights[rows], keys[layout.seq[rows]], batched=True)
+                cand = candidates[rows] if candidates is not None else None
+                selection, mask = self._pick(scores, batch.positions[rows], cand)
+                entries[rows] = selection.entries
+                counts[rows] = selection.counts
+                if mask is not None:
+                    published[rows] = mask
         widths = num_keys[layout.seq].clamp(max=self.topk)
         return TokenSelection(entries, counts, widths), published
 
