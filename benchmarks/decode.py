@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.device_limits import Timer, measure_ceilings  # noqa: E402
 from engine_core.protocol import SamplingParams  # noqa: E402
 from frontend.llm import LLM  # noqa: E402
+from model.cache_formats import COMPRESSED_KV, INDEX_KEYS, WINDOW_KV  # noqa: E402
 from model.config import V41Config  # noqa: E402
 from model.loader import checkpoint_bytes, held_weight_bytes  # noqa: E402
 from model.weight_spec import checkpoint_tensors  # noqa: E402
@@ -61,16 +62,18 @@ def step_cost(cfg: V41Config, batch: int, context: int) -> tuple[float, float]:
     experts, top_k = cfg.num_routed_experts, cfg.num_experts_per_token
     hit = experts * (1 - (1 - top_k / experts) ** batch)  # expected distinct experts per layer
     touched_expert_bytes = expert_bytes * hit / experts
-    # KV read per sequence: the window ring of every layer, the selected compressed entries of
-    # every compressed layer, and the index keys an indexer layer scores (bf16 values today)
+    # KV read per sequence, in the cache's storage formats: the window ring of every layer, the
+    # selected compressed entries of every compressed layer, and the index keys an indexer scores
+    window_row, entry_row = WINDOW_KV.row_bytes(cfg.head_dim), COMPRESSED_KV.row_bytes(cfg.head_dim)
+    key_row = INDEX_KEYS.row_bytes(cfg.index_head_dim)
     kv = 0
     for role in cfg.roles:
-        kv += min(context, cfg.sliding_window) * cfg.head_dim * 2
+        kv += min(context, cfg.sliding_window) * window_row
         if role.compress_ratio:
             entries = context // role.compress_ratio
-            kv += min(entries, cfg.index_topk) * cfg.head_dim * 2
+            kv += min(entries, cfg.index_topk) * entry_row
             if role.runs_indexer:
-                kv += entries * cfg.index_head_dim * 2
+                kv += entries * key_row
     engram_rows = len(cfg.engram_layer_ids) * cfg.num_hash_columns * cfg.engram_head_dim * batch
     total_bytes = dense_bytes + touched_expert_bytes + kv * batch + engram_rows
     inter, d = cfg.moe_intermediate_size, cfg.hidden_size
@@ -118,8 +121,34 @@ def profile_steps(llm: LLM, prompts: list[list[int]], out_path: str) -> None:
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     decode_step_times(llm, prompts, 4, around_steps=prof)
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
-    Path(out_path).write_text(table)
+    busy, span = device_busy(prof)
+    summary = (f"device busy {busy / 1e3:.2f} ms of {span / 1e3:.2f} ms from the first to the last device activity "
+               f"of the profiled steps: GPU idle {100 * (1 - busy / span):.1f}% (union of kernel, copy and set "
+               f"intervals from the profiler trace)" if span else "no device activity recorded")
+    Path(out_path).write_text(table + "\n" + summary + "\n")
     print(table[:6000], flush=True)
+    print(summary, flush=True)
+
+
+def device_busy(prof) -> tuple[float, float]:
+    """(microseconds the device was running something, microseconds from its first to its last
+    activity) in a profiler trace: the union of the device-side intervals, so overlapping streams
+    count once."""
+    from torch.autograd import DeviceType
+
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not intervals:
+        return 0.0, 0.0
+    busy, (start, end) = 0.0, intervals[0]
+    for a, b in intervals[1:]:
+        if a > end:
+            busy += end - start
+            start, end = a, b
+        else:
+            end = max(end, b)
+    busy += end - start
+    return busy, max(b for _, b in intervals) - intervals[0][0]
 
 
 def main() -> int:
