@@ -1,10 +1,12 @@
 """Decode throughput of the offline engine, next to the limit of the hardware it runs on.
 
-    python benchmarks/decode.py --preset v41-flash-L8 --kernels triton,reference --batch 1,8,32,128,256
+    python benchmarks/decode.py --preset v41-flash-L8 --kernels triton,triton-eager --batch 1,64,256
+    python benchmarks/decode.py --dp 2 --kernels triton --batch 32,128,256   # two GPUs, batch per GPU
 
-Runs the in-process engine (``frontend.llm.LLM``) with ``--load-format dummy`` weights (random, in
-their storage formats, made on the device) on a config-only model directory written from a preset
-(or ``--model DIR``). For every kernel backend and batch size: ``batch`` token-id prompts of
+Runs the offline engine (``frontend.llm.LLM``: in-process, or one worker process per GPU with
+``--dp N``) with ``--load-format dummy`` weights (random, in their storage formats, made on the
+device) on a config-only model directory written from a preset (or ``--model DIR``). For every
+kernel backend and batch size: ``batch`` (per rank) token-id prompts of
 ``--context`` tokens, greedy, ``ignore_eos``. Once every sequence is decoding, ``--steps`` engine
 steps are timed one by one (host clock, device synchronized after each) and the median is the step
 time, so prefill and warm-up stay outside it; the first batch is run once more before, untimed
@@ -15,7 +17,9 @@ The limit of a step is what the device must at least do: read every weight the s
 ``batch * top_k`` uniformly routed pairs, in their checkpoint formats) plus the KV entries it
 attends to, at the bandwidth measured here; and the step's matrix FLOPs at the bf16 tensor-core
 rate measured here (both by ``benchmarks/device_limits.py``, as for ``benchmarks/kernels.py``).
-``limit = max(bytes / bandwidth, flops / peak)``.
+``limit = max(bytes / bandwidth, flops / peak)``, per GPU: with ``--dp N`` each GPU holds 1/N of
+the experts, hit by the tokens of every rank. With ``--profile-batch B`` a few steps at batch B are
+traced (torch.profiler) and the GPU's idle share between and within them is printed.
 """
 
 from __future__ import annotations
@@ -45,8 +49,9 @@ from model.weight_spec import checkpoint_tensors  # noqa: E402
 _BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1}
 
 
-def step_cost(cfg: V41Config, batch: int, context: int) -> tuple[float, float]:
-    """(bytes, FLOPs) a decode step of ``batch`` sequences at ``context`` tokens must at least move/do."""
+def step_cost(cfg: V41Config, batch: int, context: int, dp: int = 1) -> tuple[float, float]:
+    """(bytes, FLOPs) one GPU must at least move/do in a decode step of ``batch`` sequences per rank at
+    ``context`` tokens; with ``dp`` ranks each holds 1/dp of the experts, hit by every rank's tokens."""
     dense_bytes = expert_bytes = 0
     dense_params = 0
     for name, spec in checkpoint_tensors(cfg).items():
@@ -60,8 +65,8 @@ def step_cost(cfg: V41Config, batch: int, context: int) -> tuple[float, float]:
             if spec.dtype != "F8_E8M0" and len(spec.shape) == 2:
                 dense_params += math.prod(spec.shape) * (2 if spec.dtype == "I8" else 1)
     experts, top_k = cfg.num_routed_experts, cfg.num_experts_per_token
-    hit = experts * (1 - (1 - top_k / experts) ** batch)  # expected distinct experts per layer
-    touched_expert_bytes = expert_bytes * hit / experts
+    hit = experts * (1 - (1 - top_k / experts) ** (batch * dp))  # expected distinct experts per layer
+    touched_expert_bytes = expert_bytes * hit / experts / dp
     # KV read per sequence, in the cache's storage formats: the window ring of every layer, the
     # selected compressed entries of every compressed layer, and the index keys an indexer scores
     window_row, entry_row = WINDOW_KV.row_bytes(cfg.head_dim), COMPRESSED_KV.row_bytes(cfg.head_dim)
@@ -158,7 +163,9 @@ def main() -> int:
     parser.add_argument("--kernels", default="triton,triton-eager,reference",
                         help="backends to run; suffixes: -bi turns --batch-invariant on, -eager turns CUDA graphs "
                              "off (--enforce-eager) for that run")
-    parser.add_argument("--batch", default="1,8,32,128,256")
+    parser.add_argument("--batch", default="1,8,32,128,256", help="sequences per DP rank")
+    parser.add_argument("--dp", type=int, default=1,
+                        help="data-parallel ranks (one GPU each, experts sharded): batch sizes are per rank")
     parser.add_argument("--context", type=int, default=64, help="prompt tokens per sequence")
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per batch")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -201,42 +208,49 @@ def main() -> int:
                   max_num_seqs=max(runnable),
                   max_num_batched_tokens=args.max_num_batched_tokens or max(2048, min(args.context * 8, 8192)),
                   max_model_len=args.context + steps + 8,
-                  gpu_memory_utilization=0.85)
+                  gpu_memory_utilization=0.85, dp_size=args.dp)
         load_s = time.perf_counter() - started
-        runner = llm.engine.executor.runner
-        allocated_gib = (torch.cuda.memory_allocated() - before) / 2**30
-        held_gib = held_weight_bytes(runner.model) / 2**30
-        expected_gib = checkpoint_bytes(runner.cfg, range(runner.cfg.num_routed_experts)) / 2**30
-        print(f"# {variant}: engine ready in {load_s:.1f} s; weights held {held_gib:.2f} GiB for {expected_gib:.2f} "
-              f"GiB of checkpoint tensors ({100 * (held_gib / expected_gib - 1):+.1f}%); GPU memory allocated "
-              f"{allocated_gib:.1f} GiB with the caches", flush=True)
+        held_gib = expected_gib = None
+        if args.dp == 1:  # the in-process engine: its weights can be counted here
+            runner = llm.engine.executor.runner
+            allocated_gib = (torch.cuda.memory_allocated() - before) / 2**30
+            held_gib = held_weight_bytes(runner.model) / 2**30
+            expected_gib = checkpoint_bytes(runner.cfg, range(runner.cfg.num_routed_experts)) / 2**30
+            del runner
+            print(f"# {variant}: engine ready in {load_s:.1f} s; weights held {held_gib:.2f} GiB for "
+                  f"{expected_gib:.2f} GiB of checkpoint tensors ({100 * (held_gib / expected_gib - 1):+.1f}%); GPU "
+                  f"memory allocated {allocated_gib:.1f} GiB with the caches", flush=True)
+        else:
+            print(f"# {variant}: {args.dp} ranks ready in {load_s:.1f} s (weights and caches: each rank's log)",
+                  flush=True)
         for i, batch in enumerate(runnable):
             prompts = [[(s * 7919 + t * 104729) % (cfg.vocab_size - 10) + 5 for t in range(args.context)]
-                       for s in range(batch)]
+                       for s in range(batch * args.dp)]
             if i == 0:
                 decode_step_times(llm, prompts, 2)  # warm-up: compilation, allocator
             prefill, step = decode_step_times(llm, prompts, steps)
-            nbytes, flops = step_cost(cfg, batch, args.context)
+            nbytes, flops = step_cost(cfg, batch, args.context, args.dp)
             limit = max(nbytes / bandwidth, flops / peak)
-            row = dict(kernels=variant, batch=batch, context=args.context, step_ms=step * 1e3,
-                       prefill_tokens_per_s=batch * args.context / prefill,
-                       tokens_per_s=batch / step, limit_ms=limit * 1e3, pct_of_limit=100 * limit / step,
+            row = dict(kernels=variant, batch=batch, dp=args.dp, context=args.context, step_ms=step * 1e3,
+                       prefill_tokens_per_s=batch * args.dp * args.context / prefill,
+                       tokens_per_s=batch * args.dp / step, tokens_per_s_per_gpu=batch / step, limit_ms=limit * 1e3, pct_of_limit=100 * limit / step,
                        bytes_per_step_gb=nbytes / 1e9, prefill_s=prefill, weights_gib=held_gib,
                        checkpoint_gib=expected_gib)
             rows.append(row)
-            if batch == args.profile_batch and variant == args.kernels.split(",")[0]:
+            if batch == args.profile_batch and variant == args.kernels.split(",")[0] and args.dp == 1:
                 profile_steps(llm, prompts, args.profile_out)
-            print(f"{variant:10s} batch {batch:4d}: step {step * 1e3:8.2f} ms, {batch / step:8.1f} tok/s, "
+            print(f"{variant:10s} batch {batch:4d} x {args.dp}: step {step * 1e3:8.2f} ms, "
+                  f"{batch * args.dp / step:8.1f} tok/s ({batch / step:.1f} per GPU), "
                   f"limit {limit * 1e3:6.3f} ms ({100 * limit / step:5.1f}% of it), "
                   f"{nbytes / 1e9:.2f} GB/step", flush=True)
-        del llm, runner
+        del llm
         gc.collect()
         torch.cuda.empty_cache()
-    print("\n| kernels | batch | step (ms) | tokens/s | limit (ms) | % of limit |")
-    print("|---|---|---|---|---|---|")
+    print("\n| kernels | batch per rank x ranks | step (ms) | tokens/s | per GPU | limit (ms) | % of limit |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['kernels']} | {r['batch']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.1f} | "
-              f"{r['limit_ms']:.3f} | {r['pct_of_limit']:.1f}% |")
+        print(f"| {r['kernels']} | {r['batch']} x {r['dp']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.1f} | "
+              f"{r['tokens_per_s_per_gpu']:.1f} | {r['limit_ms']:.3f} | {r['pct_of_limit']:.1f}% |")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(gpu=gpu, bandwidth=bandwidth, bf16_peak=peak, rows=rows),
                                               indent=2))
