@@ -25,7 +25,7 @@ from .kernels import KernelBackend, QuantizedWeight
 from .layers import Linear, rms_norm
 from .quant import fp8_qdq
 from .rope import RotaryTable
-from .sparse_attention import sparse_attention, sparse_attention_padded
+from .sparse_attention import sparse_attention
 
 
 @dataclass
@@ -92,7 +92,7 @@ class Attention:
             if self.reference_layout:
                 o = sparse_attention(q, kv_rows, valid, widths, w.sink, self.scale)
             else:  # whole blocks: every row at the batch's width gives each row what its own width gives
-                o = sparse_attention_padded(q, kv_rows, valid, w.sink, self.scale)
+                o = self.kernels.sparse_attention(q, kv_rows, valid, w.sink, self.scale)
         else:
             o = torch.zeros_like(q)
         self.rope.rotate_(o[..., -rd:], pos, inverse=True)

@@ -4,7 +4,9 @@ The interpreter runs the kernels' arithmetic on CPU (``test_triton_kernels.py``)
 compilation: type rules, constexpr branches and layouts are only checked by the compiler. This
 compiles each kernel, in each of its formats and tile configs, to a cubin with Triton's bundled
 toolchain (no GPU needed), and checks that the matrix products use Hopper's warpgroup instructions
-(``wgmma``), on which the batch-invariance argument of ``tile_configs.py`` rests.
+(``wgmma``), on which the batch-invariance argument of ``tile_configs.py`` rests. The sparse-attention
+kernel is also checked for register spills (local-memory stores in its SASS) at the real shape,
+compiled as the launcher specializes it there (16-aligned pointers, sizes and strides).
 
 The test process runs Triton in interpreter mode, which replaces every kernel by a Python stand-in,
 so the compilation runs in a child process without ``TRITON_INTERPRET`` (this file, run as a script).
@@ -42,19 +44,25 @@ def main() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from model.kernels import tile_configs, triton_bf16_mm, triton_decode_mm, triton_moe, triton_scaled_mm
+    from model.kernels import (tile_configs, triton_bf16_mm, triton_decode_mm, triton_moe, triton_scaled_mm,
+                               triton_sparse_attention)
 
     hopper = GPUTarget("cuda", 90, 32)
 
-    def check(label: str, fn, types: dict[str, str], constants: dict, cfg=None, wgmma: bool = True) -> None:
+    def check(label: str, fn, types: dict[str, str], constants: dict, cfg=None, wgmma: bool = True,
+              options: dict | None = None, aligned: tuple[str, ...] = (), spill_free: bool = False) -> None:
         signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
-        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} if cfg else {"num_warps": 4}
-        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants), target=hopper,
-                                options=options)
+        if options is None:
+            options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} if cfg else {"num_warps": 4}
+        attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
+                                target=hopper, options=options)
+        problems = []
         if wgmma and "wgmma" not in kernel.asm["ptx"]:
-            print(f"{label}: compiled without wgmma")
-        else:
-            print(f"{label}: ok")
+            problems.append("compiled without wgmma")
+        if spill_free and "STL" in kernel.asm["sass"]:
+            problems.append("spills registers to local memory")
+        print(f"{label}: {', '.join(problems) or 'ok'}")
 
     def scalars(names: str) -> dict[str, str]:
         return {name: "i32" for name in names.split()}
@@ -109,6 +117,17 @@ def main() -> int:
         check(f"sum_splits out_f32={out_f32}", triton_decode_mm._sum_splits_kernel,
               {"part_ptr": "*fp32", "out_ptr": "*fp32" if out_f32 else "*bf16", "numel": "i32"},
               {"SPLITS": 4, "OUT_F32": out_f32, "BLOCK": 1024, "EXACT_DOT": False}, wgmma=False)
+
+    attention = triton_sparse_attention
+    sizes = "H D L stride_qt stride_qh stride_kvt stride_kvl stride_vt stride_ot stride_oh"
+    types = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "valid_ptr": "*u8", "sink_ptr": "*fp32", "out_ptr": "*bf16",
+             "scale": "fp32", **scalars(sizes)}
+    for head_dim in (512, 64):  # V4.1-Flash; the tiny models
+        check(f"sparse_attention D={head_dim}", attention._sparse_attention_kernel, types,
+              {"BLOCK_H": attention.BLOCK_H, "BLOCK_D": head_dim, "BLOCK_L": attention.BLOCK_L,
+               "EMPTY_MAX": attention.EMPTY_MAX, "INTERPRETED": False},
+              options={"num_warps": attention.NUM_WARPS, "num_stages": attention.NUM_STAGES, "enable_fp_fusion": False},
+              aligned=("q_ptr", "kv_ptr", "valid_ptr", "sink_ptr", "out_ptr", *sizes.split()), spill_free=True)
     return 0
 
 

@@ -51,3 +51,17 @@ class KernelBackend(ABC):
         outside the stack means the pair is not this rank's and its row is left zero),
         ``pair_weight [P]`` fp32 routing weight. Each pair computes the clamped SwiGLU expert with
         the routing weight applied to the hidden activation before the down projection."""
+
+    @abstractmethod
+    def sparse_attention(self, q: torch.Tensor, kv_rows: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        """Each query row's attention over its own listed KV rows, with a sink -> bf16 ``[T, H, D]``.
+
+        ``q [T, H, D]`` bf16; ``kv_rows [T, L, D]`` bf16 (K and V are the same vector); ``valid [T, L]``
+        bool (False: a hole); ``sink [H]`` fp32. ``sparse_attention_padded``'s arithmetic
+        (``model/sparse_attention.py``): an online softmax over blocks of 64 listed entries (the list
+        padded with holes to whole blocks), per block scores ``q . kv`` in fp32 (bf16 products), holes
+        at -inf, times ``scale``; the running max (from -1e30) rescales the fp32 sum of ``p = exp(scores -
+        max)`` and the fp32 accumulation of ``bf16(p) . kv``; at the end ``exp(sink[h] - max)`` joins the
+        sum only (unscaled) and the output is ``bf16(acc / sum)``. A row without a valid entry yields
+        zeros, and padding a list with holes changes no bit of its row."""

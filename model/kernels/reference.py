@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..gemm import block_scaled_linear, dense_linear
+from ..sparse_attention import sparse_attention_padded
 from .backend import KernelBackend
 from .weights import ExpertWeights, QuantizedWeight
 
@@ -51,6 +52,10 @@ class ReferenceKernels(KernelBackend):
             pairs = torch.nonzero(pair_expert == e).squeeze(1)  # in pair order: token order for one expert
             out[pairs] = self._expert(x[pair_token[pairs]], pair_weight[pairs, None], experts, e)
         return out
+
+    def sparse_attention(self, q: torch.Tensor, kv_rows: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        return sparse_attention_padded(q, kv_rows, valid, sink, scale)
 
     def _expert(self, x: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights, e: int) -> torch.Tensor:
         """The reference's clamped SwiGLU expert on rows ``x``; ``weights [n, 1]`` scale the hidden state."""

@@ -16,6 +16,7 @@ from .triton_decode_mm import MAX_TOKENS as DECODE_MAX_TOKENS
 from .triton_decode_mm import decode_mm
 from .triton_moe import fused_experts
 from .triton_scaled_mm import act_quant, act_quant_bf16, scaled_mm
+from .triton_sparse_attention import sparse_attention
 from .weights import ExpertWeights, QuantizedWeight
 
 
@@ -62,3 +63,7 @@ class TritonKernels(KernelBackend):
         if not isinstance(experts.w1, QuantizedWeight):
             return self._plain.expert_outputs(x, pair_token, pair_expert, pair_weight, experts)
         return fused_experts(x, pair_token, pair_expert, pair_weight.float().contiguous(), experts)
+
+    def sparse_attention(self, q: torch.Tensor, kv_rows: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        return sparse_attention(q, kv_rows, valid, sink, scale)

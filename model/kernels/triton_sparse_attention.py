@@ -1,0 +1,151 @@
+"""Triton kernel of the sparse attention with sink (twin: ``model.sparse_attention.sparse_attention_padded``).
+
+``sparse_attention(q, kv_rows, valid, sink, scale)``: each query row ``t`` and head ``h`` attends to
+the row's own listed KV rows ``kv_rows[t, :L]`` (K and V are the same vector; ``valid[t] == False``
+marks a hole), with the twin's arithmetic: an online softmax over blocks of 64 listed entries
+(columns past ``L`` are holes, as the twin's padding to whole blocks makes them); scores in fp32 from
+bf16 x bf16 products, holes at -inf, times ``scale``; a running max that starts at -1e30;
+``p = exp(scores - max)``; the denominator sums the fp32 ``p``, the numerator the products of ``p``
+rounded to bf16 with the KV rows (fp32 accumulation); at the end ``exp(sink[h] - max)`` joins the
+denominator only (the sink is not scaled) and ``out = bf16(acc / sum)``. A row without any valid
+entry yields zeros.
+
+Layouts: q ``[T, H, D]``, kv_rows ``[T, L, D]`` bf16 (last dims contiguous), valid ``[T, L]`` bool,
+sink ``[H]`` fp32; out ``[T, H, D]`` bf16. One launch for a whole layer, any T and L: no shape
+depends on the values, so a decode step replays it in a CUDA graph.
+
+Grid: one program per (query row, block of ``BLOCK_H`` heads), a row's head blocks side by side.
+All heads of a row attend the same KV rows, so each 64-entry KV block ``[64, D]`` is loaded once per
+program (straight into shared memory, a few blocks ahead) and serves all its heads in both products.
+The products are taken transposed, ``scores^T = kv q^T`` ``[64, BLOCK_H]`` and ``out^T += kv^T p^T``
+``[D, BLOCK_H]``: the 64 entries and the D features fill the tensor cores' 64-row side and the heads
+the narrow side, as ``triton_decode_mm`` does with tokens. Hopper's warpgroup instructions need
+multiples of 64 rows, which 16 heads would not give on the row side; 16 heads keep the accumulator
+at 64 fp32 registers per thread (D = 512, 4 warps) and give ``H / 16`` programs per row, so that a
+one-token decode step still spreads over a few SMs. A row's blocks are never split over programs:
+a split softmax would change the sums.
+
+Every elementwise step is the twin's, in its order: fp32 fusion is off (the twin rounds each
+product and each sum), the division is IEEE's and ``exp`` is CUDA's ``expf`` (what torch runs).
+Results differ from the twin only through the order of the fp32 sums: inside the two products,
+in the 64-entry sum of ``p``, and because the compiler folds ``acc * rescale + P.V`` into the
+product's accumulation (``tests/test_triton_sparse_attention.py`` states the resulting tolerance).
+
+Blocks of holes: in the twin a block without a valid entry leaves the running max, the sum and the
+output exactly as they were. The kernel first reads the row's ``valid`` flags and runs only the
+blocks from the first valid entry's to the last's (padding costs nothing, and a plain loop keeps
+the KV loads streaming: an ``if`` around a block's work would stop the compiler from prefetching);
+holes inside that range are masked out of the loads, so they cost no memory traffic. Padding a row
+with holes changes no bit; a row without a valid entry runs no block.
+
+Batch invariance: a program owns its row's heads and walks the row's blocks in order; nothing
+depends on T or on the other rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .triton_common import INTERPRETED, to_bf16
+
+BLOCK_L = 64  # listed entries per online-softmax step: the twin's block
+BLOCK_H = 16  # heads per program: the narrow side of the products (tl.dot's minimum)
+NUM_WARPS = 4
+NUM_STAGES = 3  # KV blocks in flight: 3 x 64 KB of shared memory at D = 512 (210 KB with q and p)
+EMPTY_MAX = -1e30  # the twin's start of the running max: finite, so exp(old - new) is 0 on the first block
+
+
+@triton.jit
+def _dot(a, b, INTERPRETED: tl.constexpr):
+    """bf16 ``a @ b`` with fp32 accumulation."""
+    if INTERPRETED:  # the interpreter multiplies 16-bit dot operands wrongly; fp32 gives the same exact products
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _exp(x, INTERPRETED: tl.constexpr):
+    """fp32 exp: CUDA's ``expf`` on the GPU (tl.exp would be ``ex2.approx``); numpy's in the interpreter."""
+    if INTERPRETED:
+        return tl.exp(x)
+    else:
+        return libdevice.exp(x)
+
+
+@triton.jit
+def _sparse_attention_kernel(q_ptr, kv_ptr, valid_ptr, sink_ptr, out_ptr, scale, H, D, L,
+                             stride_qt, stride_qh, stride_kvt, stride_kvl, stride_vt, stride_ot, stride_oh,
+                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+                             EMPTY_MAX: tl.constexpr, INTERPRETED: tl.constexpr):
+    head_blocks = tl.cdiv(H, BLOCK_H)
+    row = (tl.program_id(0) // head_blocks).to(tl.int64)
+    offs_h = (tl.program_id(0) % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_l = tl.arange(0, BLOCK_L)
+    h_mask = offs_h < H
+    d_mask = offs_d < D
+    q_t = tl.load(q_ptr + row * stride_qt + offs_h[None, :] * stride_qh + offs_d[:, None],
+                  mask=d_mask[:, None] & h_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_H]
+    kv_ptr += row * stride_kvt
+    valid_ptr += row * stride_vt
+    # the blocks from the first valid entry's to the last's (blocks of holes change nothing)
+    first = L
+    last = -1
+    for start in range(0, L, BLOCK_L):
+        cols = start + offs_l
+        ok = tl.load(valid_ptr + cols, mask=cols < L, other=0) != 0
+        first = tl.minimum(first, tl.min(tl.where(ok, cols, L), axis=0))
+        last = tl.maximum(last, tl.max(tl.where(ok, cols, -1), axis=0))
+    acc = tl.zeros((BLOCK_D, BLOCK_H), dtype=tl.float32)  # the output, transposed
+    sum_exp = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    running_max = tl.full((BLOCK_H,), EMPTY_MAX, dtype=tl.float32)
+    for start in range(first - first % BLOCK_L, last + 1, BLOCK_L):
+        cols = start + offs_l
+        ok = tl.load(valid_ptr + cols, mask=cols < L, other=0) != 0
+        kv = tl.load(kv_ptr + cols[:, None] * stride_kvl + offs_d[None, :],
+                     mask=ok[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_L, BLOCK_D]; holes: zeros, not read
+        scores = tl.where(ok[:, None], _dot(kv, q_t, INTERPRETED), -float("inf")) * scale  # [BLOCK_L, BLOCK_H]
+        block_max = tl.maximum(running_max, tl.max(scores, axis=0))
+        rescale = _exp(running_max - block_max, INTERPRETED)
+        p = _exp(scores - block_max[None, :], INTERPRETED)
+        sum_exp = sum_exp * rescale + tl.sum(p, axis=0)
+        acc = acc * rescale[None, :] + _dot(tl.trans(kv), to_bf16(p, INTERPRETED), INTERPRETED)
+        running_max = block_max
+    sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0)
+    # no valid entry (the running max still at its start): the twin's 0 / inf; here 0 / 1, exact zeros
+    # as well, without overflowing exp(sink + 1e30)
+    seen = running_max > EMPTY_MAX
+    sum_exp = sum_exp + _exp(tl.where(seen, sink - running_max, 0.0), INTERPRETED)
+    out = tl.div_rn(acc, sum_exp[None, :])
+    tl.store(out_ptr + row * stride_ot + offs_h[None, :] * stride_oh + offs_d[:, None], to_bf16(out, INTERPRETED),
+             mask=d_mask[:, None] & h_mask[None, :])
+
+
+def sparse_attention(q: torch.Tensor, kv_rows: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q ``[T, H, D]`` bf16 over each row's listed KV rows ``kv_rows [T, L, D]`` bf16 (``valid [T, L]``
+    bool, False: a hole), with ``sink [H]`` fp32 -> ``[T, H, D]`` bf16 (see the module docstring)."""
+    t, h, d = q.shape
+    length = kv_rows.shape[1]
+    out = torch.empty(t, h, d, dtype=torch.bfloat16, device=q.device)
+    if t == 0 or h == 0 or d == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if kv_rows.stride(-1) != 1:
+        kv_rows = kv_rows.contiguous()
+    if valid.stride(-1) != 1:
+        valid = valid.contiguous()
+    valid = valid.view(torch.uint8)  # same bytes; a bool pointer is awkward in a kernel
+    sink = sink.float().contiguous()
+    grid = (t * triton.cdiv(h, BLOCK_H),)  # a row's head blocks side by side: its KV rows are read together
+    _sparse_attention_kernel[grid](
+        q, kv_rows, valid, sink, out, float(scale), h, d, length,
+        q.stride(0), q.stride(1), kv_rows.stride(0), kv_rows.stride(1), valid.stride(0), out.stride(0), out.stride(1),
+        BLOCK_H=BLOCK_H, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_L=BLOCK_L, EMPTY_MAX=EMPTY_MAX,
+        INTERPRETED=INTERPRETED, num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False)
+    return out
