@@ -53,7 +53,7 @@ class ForwardBatch:
     key_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.offsets and self.chunks:
+        if not self.offsets:
             acc, offsets = 0, []
             for chunk in self.chunks:
                 offsets.append(acc)

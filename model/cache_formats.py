@@ -46,12 +46,8 @@ from enum import Enum
 import torch
 import torch.nn.functional as F
 
-from .quant import _FP4_MAX_INV, _FP8_MAX_INV, E2M1_SIGNED, FP4_MAX, e2m1_codes, pack_e2m1, pow2_scale, to_e4m3
+from .quant import E2M1_SIGNED, FP4_MAX, e2m1_codes, fp4_scale, fp8_scale, pack_e2m1, to_e4m3
 
-# floors of the group maximum in the round trips (quant.fp8_quantize, quant._fp4_scale)
-_FP8_AMAX_FLOOR = 1e-4
-_FP4_E4M3_AMAX_FLOOR = 6 * 2.0**-9
-_FP4_UE8M0_AMAX_FLOOR = 6 * 2.0**-126
 # the one compressed-KV group maximum whose E4M3 scale the quantizer would not find again
 _AMBIGUOUS_E4M3_AMAX = 2.0**-6
 _AMBIGUOUS_E4M3_SCALE = 2.0**-8
@@ -116,7 +112,6 @@ class RowCodec:
         self.code_bytes, self.row_bytes = fmt.code_bytes(width), fmt.row_bytes(width)
         self.fp8 = fmt.element is ElementFormat.FP8_E4M3
         self.ue8m0 = fmt.scale is ScaleFormat.UE8M0
-        self._max_inv = _FP8_MAX_INV if self.fp8 else _FP4_MAX_INV  # quant.py keeps its device copy
         self._ue8m0_values = _ue8m0_table().to(device)
         self._e2m1_pairs = _e2m1_pair_table().to(device)
 
@@ -141,10 +136,10 @@ class RowCodec:
     def _scale(self, amax: torch.Tensor) -> torch.Tensor:
         """fp32 scale of every group, as the round trip computes it from the group maximum."""
         if self.fp8:
-            return pow2_scale(amax.clamp_min(_FP8_AMAX_FLOOR), self._max_inv)
+            return fp8_scale(amax)
+        scale = fp4_scale(amax, e4m3_scale=not self.ue8m0)
         if self.ue8m0:
-            return pow2_scale(amax.clamp_min(_FP4_UE8M0_AMAX_FLOOR), self._max_inv)
-        scale = to_e4m3(amax.clamp_min(_FP4_E4M3_AMAX_FLOOR) / FP4_MAX).float()
+            return scale
         return torch.where(amax == _AMBIGUOUS_E4M3_AMAX, _AMBIGUOUS_E4M3_SCALE, scale)
 
     # ------------------------------------------------------------------ read

@@ -86,10 +86,14 @@ def fp8_quantize(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.
     """bf16 [..., K] -> (e4m3 values [..., K], fp32 power-of-two scales [..., K/block])."""
     assert x.dtype == torch.bfloat16, "the FP8 activation kernel takes bf16 input"
     groups = x.float().unflatten(-1, (-1, block))
-    amax = groups.abs().amax(dim=-1).clamp_min(1e-4)
-    scale = pow2_scale(amax, _FP8_MAX_INV)
+    scale = fp8_scale(groups.abs().amax(dim=-1))
     q = to_e4m3(groups / scale.unsqueeze(-1))
     return q.flatten(-2), scale
+
+
+def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The power-of-two scale of a group with largest magnitude ``amax`` (floored: zeros stay finite)."""
+    return pow2_scale(amax.clamp_min(1e-4), _FP8_MAX_INV)
 
 
 def fp8_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
@@ -100,7 +104,8 @@ def fp8_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------- FP4
-def _fp4_scale(amax: torch.Tensor, e4m3_scale: bool) -> torch.Tensor:
+def fp4_scale(amax: torch.Tensor, e4m3_scale: bool) -> torch.Tensor:
+    """The scale of an FP4 group with largest magnitude ``amax``: E4M3 or a power of two."""
     if e4m3_scale:
         # compressed KV: a real E4M3 scale amax/6 (not a power of two); floor keeps zeros finite
         return to_e4m3(amax.clamp_min(6 * 2.0**-9) / FP4_MAX).float()
@@ -111,7 +116,7 @@ def fp4_quantize(x: torch.Tensor, block: int, e4m3_scale: bool) -> tuple[torch.T
     """bf16 [..., K] -> (packed e2m1 bytes [..., K/2] uint8, fp32 scales [..., K/block])."""
     assert x.dtype == torch.bfloat16, "the FP4 activation kernel takes bf16 input"
     groups = x.float().unflatten(-1, (-1, block))
-    scale = _fp4_scale(groups.abs().amax(dim=-1), e4m3_scale)
+    scale = fp4_scale(groups.abs().amax(dim=-1), e4m3_scale)
     v = (groups / scale.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX)
     return pack_e2m1(e2m1_codes(v).flatten(-2)), scale
 
@@ -124,7 +129,7 @@ def fp4_qdq(x: torch.Tensor, block: int, e4m3_scale: bool = False) -> torch.Tens
     """
     assert x.dtype == torch.bfloat16, "the FP4 activation kernel takes bf16 input"
     groups = x.float().unflatten(-1, (-1, block))
-    scale = _fp4_scale(groups.abs().amax(dim=-1), e4m3_scale)
+    scale = fp4_scale(groups.abs().amax(dim=-1), e4m3_scale)
     v = (groups / scale.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX)
     y = e2m1_values(e2m1_codes(v)) * scale.unsqueeze(-1)
     return y.flatten(-2).to(torch.bfloat16)

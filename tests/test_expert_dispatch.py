@@ -14,11 +14,10 @@ shrink to it). Each world size (1, 2, 4) is one group of processes running all s
 from __future__ import annotations
 
 import math
-import multiprocessing
 
 import pytest
 import torch
-from expert_dispatch_ranks import LAYERS, SCENARIOS, HOT_BIAS, hot_experts, inputs, rank_main
+from expert_dispatch_ranks import LAYERS, SCENARIOS, HOT_BIAS, hot_experts, inputs, rank_main, run_rank_processes
 
 from model.loader import load_model
 from workers.expert_capacity import ExpertCapacity, peer_share
@@ -32,22 +31,7 @@ def single_rank(tiny_checkpoint):
 
 
 def run_ranks(world_size: int, checkpoint: str, tmp_path) -> list[dict]:
-    context = multiprocessing.get_context("spawn")
-    store = tmp_path / "store"
-    procs = [context.Process(target=rank_main, args=(rank, world_size, checkpoint, str(store), str(tmp_path)))
-             for rank in range(world_size)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=RANKS_TIMEOUT_S)
-    stuck = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    assert not stuck, f"ranks {stuck} did not finish within {RANKS_TIMEOUT_S} s (a deadlocked exchange)"
-    assert all(proc.exitcode == 0 for proc in procs), [proc.exitcode for proc in procs]
-    return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world_size)]
+    return run_rank_processes(rank_main, world_size, checkpoint, tmp_path, RANKS_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda w: f"world{w}")

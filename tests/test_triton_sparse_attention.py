@@ -87,7 +87,7 @@ def test_matches_reference(shape, sharp):
     from model.kernels.triton_backend import TritonKernels
 
     inputs = random_inputs(*shape, seed=sum(shape) + sharp, sharp=sharp)
-    got = TritonKernels().sparse_attention(*inputs)
+    got = TritonKernels(attention_kernel=True).sparse_attention(*inputs)
     ref = ReferenceKernels(batch_invariant=True).sparse_attention(*inputs)
     assert got.dtype == torch.bfloat16 and got.shape == ref.shape
     assert (failure := mismatch(got, ref, *inputs)) is None, failure
@@ -160,8 +160,8 @@ def test_real_shapes_on_gpu(t):
     from model.kernels.triton_backend import TritonKernels
 
     inputs = random_inputs(t, 64, 512, 640, seed=t, device="cuda")
-    got = TritonKernels().sparse_attention(*inputs)
+    got = TritonKernels(attention_kernel=True).sparse_attention(*inputs)
     ref = ReferenceKernels(batch_invariant=True).sparse_attention(*inputs)
     assert (failure := mismatch(got, ref, *inputs)) is None, failure
     for chosen in (slice(0, 1), slice(t - 1, t)):
-        assert torch.equal(TritonKernels().sparse_attention(*rows(inputs, chosen)), got[chosen]), chosen
+        assert torch.equal(TritonKernels(attention_kernel=True).sparse_attention(*rows(inputs, chosen)), got[chosen]), chosen

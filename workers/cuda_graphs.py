@@ -183,6 +183,20 @@ class DecodeGraphs:
         hidden = self.model.forward(batch, self.cache)
         self.logits[:rows].copy_(self.model.logits(hidden))
 
+    def activation_bytes(self) -> int:
+        """Peak bytes the largest graph's forward allocates, measured by running it eagerly (on a
+        scratch cache, before the real one is sized): what the graphs' shared pool will hold."""
+        rows, key_tokens = self.plan.largest
+        self._fill_padding(rows)
+        if self.dispatcher is not None:
+            self.dispatcher.set_step_tokens(rows)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        self.run_eager(rows, key_tokens)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
     # ------------------------------------------------------------------ replay
     def bucket(self, shape: StepShape) -> tuple[int, int] | None:
         """The graph a step of this shape replays, if any."""

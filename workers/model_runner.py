@@ -24,8 +24,8 @@ from model.loader import load_model
 from model.transformer import ModelOptions, V41Model
 
 from .cache_sizing import CacheCapacity, free_cuda_bytes_after_profile, plan_capacity
-from .expert_balancer import ExpertLoadBalancer
 from .cuda_graphs import DecodeGraphs, GraphPlan, StepShape
+from .expert_balancer import ExpertLoadBalancer
 from .memory import limit_native_caches
 from .rank_summary import log_rank_summary
 from .sampler import RowSpec, SamplingBatch, prompt_logprobs, sample
@@ -109,19 +109,11 @@ class ModelRunner:
         """Peak activation bytes of the largest graph's forward (run eagerly on a scratch cache): what
         the graphs' memory pool will hold, reserved before the cache is sized."""
         scratch = V41Cache.allocate(self.cfg, 2, 1, self.config.block_size, self.device)
-        graphs = DecodeGraphs(self.model, scratch, self.graph_plan, scratch_slot=0, scratch_block=1)
-        rows, key_tokens = self.graph_plan.largest
-        graphs._fill_padding(rows)
-        if self.expert_parallel is not None:
-            self.expert_parallel.set_step_tokens(rows)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        graphs.run_eager(rows, key_tokens)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-        del graphs, scratch
+        peak = DecodeGraphs(self.model, scratch, self.graph_plan, scratch_slot=0, scratch_block=1,
+                            dispatcher=self.expert_parallel).activation_bytes()
+        del scratch
         torch.cuda.empty_cache()
+        rows, key_tokens = self.graph_plan.largest
         log.info("CUDA graphs: the largest decode graph (batch %d, context %d) needs %.2f GiB of activations",
                  rows, key_tokens, peak / 2**30)
         return peak
