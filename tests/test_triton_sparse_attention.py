@@ -36,6 +36,18 @@ from model.sparse_attention import sparse_attention_padded  # noqa: E402
 MIN_BIT_EQUAL = 0.99
 
 
+def device() -> str:
+    """Where the kernel runs: the GPU when there is one, else the interpreter on the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def kernel_output(inputs) -> torch.Tensor:
+    """The kernel on ``device()``, its output back on the CPU (where the twin runs)."""
+    from model.kernels.triton_sparse_attention import sparse_attention
+
+    return sparse_attention(*(x.to(device()) if isinstance(x, torch.Tensor) else x for x in inputs)).cpu()
+
+
 def random_inputs(t: int, h: int, d: int, length: int, seed: int, sharp: bool = False, device: str = "cpu"):
     """Random rows with holes at random (30%), a whole block of holes, a leading block of holes in
     row 1 and no valid entry in row 0; sinks large (even heads) and small (odd heads). ``sharp``:
@@ -84,10 +96,8 @@ SHAPES = [  # (T, H, D, L)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-H{}-D{}-L{}".format(*s))
 @pytest.mark.parametrize("sharp", [False, True], ids=["spread", "sharp"])
 def test_matches_reference(shape, sharp):
-    from model.kernels.triton_backend import TritonKernels
-
     inputs = random_inputs(*shape, seed=sum(shape) + sharp, sharp=sharp)
-    got = TritonKernels(attention_kernel=True).sparse_attention(*inputs)
+    got = kernel_output(inputs)
     ref = ReferenceKernels(batch_invariant=True).sparse_attention(*inputs)
     assert got.dtype == torch.bfloat16 and got.shape == ref.shape
     assert (failure := mismatch(got, ref, *inputs)) is None, failure
@@ -132,24 +142,20 @@ def rows(inputs, chosen: slice):
 
 
 def test_rows_do_not_depend_on_the_batch():
-    from model.kernels.triton_sparse_attention import sparse_attention
-
     inputs = random_inputs(17, 16, 64, 200, seed=8)
-    batched = sparse_attention(*inputs)
+    batched = kernel_output(inputs)
     for chosen in (slice(0, 1), slice(1, 2), slice(5, 6), slice(16, 17), slice(3, 10)):
-        assert torch.equal(sparse_attention(*rows(inputs, chosen)), batched[chosen]), chosen
+        assert torch.equal(kernel_output(rows(inputs, chosen)), batched[chosen]), chosen
 
 
 def test_padding_with_holes_changes_no_bit():
     """Hole columns appended across block boundaries, with NaN contents (holes are never read)."""
-    from model.kernels.triton_sparse_attention import sparse_attention
-
     q, kv, valid, sink, scale = random_inputs(5, 16, 64, 200, seed=9)
-    base = sparse_attention(q, kv, valid, sink, scale)
+    base = kernel_output((q, kv, valid, sink, scale))
     for extra in (1, 56, 190):
         wide_kv = torch.cat([kv, torch.full((5, extra, 64), float("nan")).bfloat16()], dim=1)
         wide_valid = torch.cat([valid, torch.zeros(5, extra, dtype=torch.bool)], dim=1)
-        assert torch.equal(sparse_attention(q, wide_kv, wide_valid, sink, scale), base), f"{extra} holes appended"
+        assert torch.equal(kernel_output((q, wide_kv, wide_valid, sink, scale)), base), f"{extra} holes appended"
 
 
 @pytest.mark.gpu
@@ -160,8 +166,8 @@ def test_real_shapes_on_gpu(t):
     from model.kernels.triton_backend import TritonKernels
 
     inputs = random_inputs(t, 64, 512, 640, seed=t, device="cuda")
-    got = TritonKernels(attention_kernel=True).sparse_attention(*inputs)
+    got = TritonKernels().sparse_attention(*inputs)
     ref = ReferenceKernels(batch_invariant=True).sparse_attention(*inputs)
     assert (failure := mismatch(got, ref, *inputs)) is None, failure
     for chosen in (slice(0, 1), slice(t - 1, t)):
-        assert torch.equal(TritonKernels(attention_kernel=True).sparse_attention(*rows(inputs, chosen)), got[chosen]), chosen
+        assert torch.equal(TritonKernels().sparse_attention(*rows(inputs, chosen)), got[chosen]), chosen

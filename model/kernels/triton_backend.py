@@ -23,18 +23,13 @@ from .weights import ExpertWeights, QuantizedWeight
 class TritonKernels(KernelBackend):
     """``batch_invariant``: every product in its prefill form, whose rows never depend on M (see
     ``triton_bf16_mm``); otherwise products of at most ``decode_mm.MAX_TOKENS`` rows take the faster
-    split-K decode form (``triton_decode_mm``).
-
-    ``attention_kernel``: the sparse attention through ``triton_sparse_attention`` (one launch per
-    layer) instead of its torch twin. Off by default until the kernel's GPU test
-    (``tests/test_triton_sparse_attention.py``) has passed on a GPU: so far it has run only in the
-    Triton interpreter."""
+    split-K decode form (``triton_decode_mm``). The sparse attention is one launch per layer
+    (``triton_sparse_attention``), where its torch twin takes ~120 small kernels."""
 
     name = "triton"
 
-    def __init__(self, batch_invariant: bool = False, attention_kernel: bool = False):
+    def __init__(self, batch_invariant: bool = False):
         self.batch_invariant = batch_invariant
-        self.attention_kernel = attention_kernel
         # bf16 checkpoints (no quantized weights) are rare: their few products go through torch
         self._plain = ReferenceKernels(batch_invariant=False)
 
@@ -72,6 +67,4 @@ class TritonKernels(KernelBackend):
 
     def sparse_attention(self, q: torch.Tensor, kv_rows: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
                          scale: float) -> torch.Tensor:
-        if self.attention_kernel:
-            return sparse_attention(q, kv_rows, valid, sink, scale)
-        return self._plain.sparse_attention(q, kv_rows, valid, sink, scale)
+        return sparse_attention(q, kv_rows, valid, sink, scale)
