@@ -22,8 +22,7 @@ from .compressor import Compressor
 from .config import LayerRole, V41Config
 from .indexer import Indexer
 from .kernels import KernelBackend, QuantizedWeight
-from .layers import Linear, rms_norm
-from .quant import fp8_qdq
+from .layers import Linear
 from .rope import RotaryTable
 from .sparse_attention import sparse_attention
 
@@ -75,12 +74,12 @@ class Attention:
         cfg, w, pos = self.cfg, self.w, batch.positions
         rd = cfg.rope_head_dim
         eps = cfg.rms_norm_eps
-        qr = rms_norm(w.wq_a(x), w.q_norm, eps)
+        qr = self.kernels.rms_norm(w.wq_a(x), w.q_norm, eps)
         q = w.wq_b(qr).unflatten(-1, (cfg.num_heads, cfg.head_dim))
         self.rope.rotate_(q[..., -rd:], pos)
-        kv = rms_norm(w.wkv(x), w.kv_norm, eps)
+        kv = self.kernels.rms_norm(w.wkv(x), w.kv_norm, eps)
         self.rope.rotate_(kv[:, -rd:], pos)
-        kv = fp8_qdq(kv, 32)
+        kv = self.kernels.fp8_round_trip(kv)
 
         if self.role.compress_ratio:
             if self.compressor is not None:

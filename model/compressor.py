@@ -17,15 +17,16 @@ import torch
 
 from .batch import ForwardBatch
 from .cache import V41Cache
-from .layers import Linear, rms_norm
-from .quant import fp4_qdq
+from .kernels import KernelBackend
+from .layers import Linear
 from .rope import RotaryTable
 
 
 class Compressor:
     def __init__(self, layer_id: int, ratio: int, wkv: Linear, wgate: Linear | None, norm: torch.Tensor,
-                 index_wk: Linear, index_k_norm: torch.Tensor, eps: float, rope_dims: int):
+                 index_wk: Linear, index_k_norm: torch.Tensor, eps: float, rope_dims: int, kernels: KernelBackend):
         self.layer_id, self.ratio = layer_id, ratio
+        self.kernels = kernels
         self.wkv, self.wgate, self.norm = wkv, wgate, norm
         self.index_wk, self.index_k_norm = index_wk, index_k_norm
         self.eps, self.rope_dims = eps, rope_dims
@@ -44,12 +45,12 @@ class Compressor:
         if latents.shape[0] == 0:
             return
         entry_positions = entry_ids * self.ratio  # an entry stands for its group's first token
-        keys = rms_norm(self.index_wk(latents), self.index_k_norm, self.eps)
+        keys = self.kernels.rms_norm(self.index_wk(latents), self.index_k_norm, self.eps)
         rope.rotate_(keys[:, -self.rope_dims:], entry_positions)
-        keys = fp4_qdq(keys, 32)
+        keys = self.kernels.fp4_round_trip(keys, 32, e4m3_scale=False)
         kv = latents.clone()
         rope.rotate_(kv[:, -self.rope_dims:], entry_positions)
-        kv = fp4_qdq(kv, 16, e4m3_scale=True)
+        kv = self.kernels.fp4_round_trip(kv, 16, e4m3_scale=True)
         blocks, rows = cache.entry_rows_batched(self.layer_id, batch.layout.block_tables, seq_of_entry, entry_ids)
         cache.write_entries(self.layer_id, blocks, rows, kv, keys)
 
@@ -63,7 +64,7 @@ class Compressor:
             return x.new_empty(0, self.norm.shape[0]), nothing, nothing
         layout, pos = batch.layout, batch.positions
         if self.ratio == 1:
-            return rms_norm(self.wkv(x), self.norm, self.eps), layout.seq, pos
+            return self.kernels.rms_norm(self.wkv(x), self.norm, self.eps), layout.seq, pos
         r = self.ratio
         xf = x.float()
         kv, score = self.wkv(xf), self.wgate(xf)  # fp32 projections
@@ -95,5 +96,5 @@ class Compressor:
             tail_kv[layout.slot[waiting], pos[waiting] % r] = kv[waiting]
             tail_score[layout.slot[waiting], pos[waiting] % r] = score[waiting]
         latents = (group_kv * group_score.softmax(dim=1)).sum(dim=1)
-        latents = rms_norm(latents.to(x.dtype), self.norm, self.eps)
+        latents = self.kernels.rms_norm(latents.to(x.dtype), self.norm, self.eps)
         return latents, layout.seq[closing], pos[closing] // r

@@ -25,8 +25,8 @@ from .attention_lists import TokenSelection
 from .batch import ForwardBatch
 from .cache import V41Cache
 from .device_upload import upload
+from .kernels import KernelBackend
 from .layers import Linear
-from .quant import fp4_qdq
 from .rope import RotaryTable
 
 
@@ -80,8 +80,9 @@ SCORE_ELEMENTS = 2**27  # elements of the largest per-query key or per-head scor
 class Indexer:
     def __init__(self, layer_id: int, ratio: int, wq_b: Linear, weights_proj: Linear, num_heads: int,
                  head_dim: int, rope_dims: int, topk: int, is_candidate_source: bool, uses_candidates: bool,
-                 candidate_topk_blocks: int, candidate_block_size: int, batch_invariant: bool):
+                 candidate_topk_blocks: int, candidate_block_size: int, batch_invariant: bool, kernels: KernelBackend):
         self.layer_id, self.ratio = layer_id, ratio
+        self.kernels = kernels
         self.wq_b, self.weights_proj = wq_b, weights_proj
         self.num_heads, self.head_dim, self.rope_dims, self.topk = num_heads, head_dim, rope_dims, topk
         self.is_candidate_source, self.uses_candidates = is_candidate_source, uses_candidates
@@ -98,7 +99,7 @@ class Indexer:
         """Index queries [T, H, d] (RoPE'd, FP4 round trip) and per-head weights [T, H] for all tokens."""
         q = self.wq_b(qr).unflatten(-1, (self.num_heads, self.head_dim))
         rope.rotate_(q[..., -self.rope_dims:], positions)
-        q = fp4_qdq(q, 32)
+        q = self.kernels.fp4_round_trip(q, 32, e4m3_scale=False)
         weights = self.weights_proj(x) * self.weight_scale
         return q, weights
 

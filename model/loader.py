@@ -210,12 +210,12 @@ class _Builder:
                 layer, ratio, self.plain(a + "compressor.wkv", dtype),
                 self.plain(a + "compressor.wgate", dtype) if ratio > 1 else None,
                 self.t(a + "compressor.norm.weight"), self.plain(a + "indexer.wk"),
-                self.t(a + "indexer.k_norm.weight"), cfg.rms_norm_eps, cfg.rope_head_dim)
+                self.t(a + "indexer.k_norm.weight"), cfg.rms_norm_eps, cfg.rope_head_dim, self.kernels)
         if role.runs_indexer:
             indexer = Indexer(layer, role.compress_ratio, self.linear(a + "indexer.wq_b"),
                               self.plain(a + "indexer.weights_proj"), cfg.index_num_heads, cfg.index_head_dim,
                               cfg.rope_head_dim, cfg.index_topk, role.is_candidate_source, role.uses_candidates,
-                              cfg.candidate_topk_blocks, cfg.candidate_block_size, self.bi)
+                              cfg.candidate_topk_blocks, cfg.candidate_block_size, self.bi, self.kernels)
         weights = AttentionWeights(
             wq_a=self.linear(a + "wq_a"), q_norm=self.t(a + "q_norm.weight"), wq_b=self.linear(a + "wq_b"),
             wkv=self.linear(a + "wkv"), kv_norm=self.t(a + "kv_norm.weight"), wo_a=self.weight(a + "wo_a"),
@@ -238,10 +238,10 @@ class _Builder:
         def hc(sub: str) -> HyperConnection:
             return HyperConnection(self.t(f"{p}hc_{sub}_fn").float(), self.t(f"{p}hc_{sub}_base").float(),
                                    self.t(f"{p}hc_{sub}_scale").float(), cfg.hc_mult, cfg.hc_sinkhorn_iters,
-                                   cfg.hc_eps, cfg.rms_norm_eps)
+                                   cfg.hc_eps, cfg.rms_norm_eps, self.kernels)
 
         return Block(layer, cfg, attention, moe, self.t(p + "attn_norm.weight"), self.t(p + "ffn_norm.weight"),
-                     hc("attn"), hc("ffn"), engram, self.bi).to(device)
+                     hc("attn"), hc("ffn"), engram, self.bi, self.kernels).to(device)
 
 
 def load_model(path: str | Path, options: ModelOptions | None = None, device: str | torch.device = "cpu",

@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from .gemm import dense_linear
+
+if TYPE_CHECKING:
+    from .kernels import KernelBackend
 
 
 def split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
@@ -36,8 +41,9 @@ class HyperConnection:
     """The coefficient projection of one sub-layer (``hc_attn_*`` or ``hc_ffn_*`` tensors)."""
 
     def __init__(self, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
-                 sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+                 sinkhorn_iters: int, hc_eps: float, norm_eps: float, kernels: "KernelBackend"):
         self.fn, self.base, self.scale = fn, base, scale
+        self.kernels = kernels
         self.hc, self.iters, self.hc_eps, self.norm_eps = hc, sinkhorn_iters, hc_eps, norm_eps
 
     def to(self, device) -> "HyperConnection":
@@ -51,8 +57,8 @@ class HyperConnection:
         return dense_linear(x, self.fn, batch_invariant) * rsqrt
 
     def coefficients(self, stream: torch.Tensor, batch_invariant: bool):
-        return split_sinkhorn(self.mixes(stream, batch_invariant), self.scale, self.base,
-                              self.hc, self.iters, self.hc_eps)
+        return self.kernels.split_sinkhorn(self.mixes(stream, batch_invariant), self.scale, self.base,
+                                           self.hc, self.iters, self.hc_eps)
 
 
 def collapse(stream: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

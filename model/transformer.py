@@ -17,7 +17,6 @@ from .cache import V41Cache
 from .config import V41Config
 from .engram import Engram, NgramHasher
 from .kernels import KernelBackend
-from .layers import rms_norm
 from .mhc import HyperConnection, collapse, expand, identity_pre_mix
 from .moe import MoE
 
@@ -49,8 +48,9 @@ class ModelOptions:
 class Block:
     def __init__(self, layer_id: int, cfg: V41Config, attention: Attention, moe: MoE,
                  attn_norm: torch.Tensor, ffn_norm: torch.Tensor, attn_hc: HyperConnection,
-                 ffn_hc: HyperConnection, engram: Engram | None, batch_invariant: bool):
+                 ffn_hc: HyperConnection, engram: Engram | None, batch_invariant: bool, kernels: KernelBackend):
         self.layer_id, self.cfg = layer_id, cfg
+        self.kernels = kernels
         self.attention, self.moe = attention, moe
         self.attn_norm, self.ffn_norm = attn_norm, ffn_norm
         self.attn_hc, self.ffn_hc = attn_hc, ffn_hc
@@ -74,12 +74,12 @@ class Block:
         eps = self.cfg.rms_norm_eps
         residual = stream
         attn_pre, attn_post, attn_comb = self.attn_hc.coefficients(stream, self.batch_invariant)
-        x = rms_norm(collapse(stream, pre_mix), self.attn_norm, eps)
+        x = self.kernels.rms_norm(collapse(stream, pre_mix), self.attn_norm, eps)
         stream = expand(self.attention(x, batch, cache, state), residual, attn_post, attn_comb)
 
         residual = stream
         ffn_pre, ffn_post, ffn_comb = self.ffn_hc.coefficients(stream, self.batch_invariant)
-        x = rms_norm(collapse(stream, attn_pre), self.ffn_norm, eps)  # the delayed pre-mix
+        x = self.kernels.rms_norm(collapse(stream, attn_pre), self.ffn_norm, eps)  # the delayed pre-mix
         stream = expand(self.moe(x), residual, ffn_post, ffn_comb)
         return stream, ffn_pre
 
@@ -118,7 +118,7 @@ class V41Model:
                 column = cfg.engram_layer_ids.index(block.layer_id)
                 stream = block.engram(stream, hash_ids[:, column])
             stream, pre_mix = block(stream, pre_mix, batch, cache, state)
-        return rms_norm(collapse(stream, pre_mix), self.final_norm, cfg.rms_norm_eps)
+        return self.kernels.rms_norm(collapse(stream, pre_mix), self.final_norm, cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

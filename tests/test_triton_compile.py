@@ -45,7 +45,7 @@ def main() -> int:
     from triton.compiler import ASTSource
 
     from model.kernels import (tile_configs, triton_bf16_mm, triton_decode_mm, triton_moe, triton_scaled_mm,
-                               triton_sparse_attention)
+                               triton_fp4_round_trip, triton_rms_norm, triton_sinkhorn, triton_sparse_attention)
 
     hopper = GPUTarget("cuda", 90, 32)
 
@@ -128,6 +128,23 @@ def main() -> int:
                "EMPTY_MAX": attention.EMPTY_MAX, "INTERPRETED": False},
               options={"num_warps": attention.NUM_WARPS, "num_stages": attention.NUM_STAGES, "enable_fp_fusion": False},
               aligned=("q_ptr", "kv_ptr", "valid_ptr", "sink_ptr", "out_ptr", *sizes.split()), spill_free=True)
+
+    pointers = ("mix_ptr", "scale_ptr", "base_ptr", "pre_ptr", "post_ptr", "comb_ptr")
+    check("split_sinkhorn hc=4", triton_sinkhorn._sinkhorn_kernel,
+          {**{name: "*fp32" for name in pointers}, **scalars("T stride_mix iters"), "eps": "fp32"},
+          {"HC": 4, "BLOCK_T": triton_sinkhorn.BLOCK_T, "INTERPRETED": False},
+          options={"enable_fp_fusion": False}, wgmma=False)
+    for group, e4m3_scale, block_k in ((32, False, 128), (16, True, 512)):  # index keys/queries; compressed KV
+        check(f"fp4_round_trip group={group}", triton_fp4_round_trip._fp4_round_trip_kernel,
+              {"x_ptr": "*i16", "out_ptr": "*bf16", **scalars("R K stride_x stride_o")},
+              {"GROUP": group, "E4M3_SCALE": e4m3_scale, "BLOCK_ROWS": triton_fp4_round_trip.BLOCK_ELEMENTS // block_k,
+               "BLOCK_K": block_k}, wgmma=False)
+    for out_bf16, block_d in ((True, 8192), (True, 512), (False, 128)):
+        check(f"rms_norm bf16={out_bf16} D<={block_d}", triton_rms_norm._rms_norm_kernel,
+              {"x_ptr": "*bf16" if out_bf16 else "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16" if out_bf16 else "*fp32",
+               **scalars("D stride_x stride_o"), "inv_d": "fp32", "eps": "fp32"},
+              {"BLOCK_D": block_d, "OUT_BF16": out_bf16, "INTERPRETED": False},
+              options={"num_warps": 16, "enable_fp_fusion": False}, wgmma=False)
     return 0
 
 

@@ -1,10 +1,12 @@
-"""The kernel interface: the products whose arithmetic a backend may implement its own way.
+"""The kernel interface: the products (and the few elementwise chains) a backend may implement its own way.
 
 The model's modules call these methods and never look at which backend they hold. Two backends
 exist: ``reference`` (``reference.py``: the arithmetic proven equal to DeepSeek's reference,
 default on CPU, what ``parity`` uses) and ``triton`` (``triton_backend.py``: GPU kernels that
 read the storage formats directly, default on CUDA). The head is in the interface for its size
-(the largest single weight). Other plain bf16/fp32 products (mHC mixes, the router, compressor and
+(the largest single weight). A few elementwise chains are in it for their launch counts: each is
+many tiny torch kernels (mHC's Sinkhorn split ~135 per call, an FP4 round trip ~28, RMSNorm 6),
+which a decode step would otherwise spend its time launching. Other plain bf16/fp32 products (mHC mixes, the router, compressor and
 indexer weights) are not: both backends run them through torch (``model/gemm.py``).
 """
 
@@ -65,3 +67,25 @@ class KernelBackend(ABC):
         max)`` and the fp32 accumulation of ``bf16(p) . kv``; at the end ``exp(sink[h] - max)`` joins the
         sum only (unscaled) and the output is ``bf16(acc / sum)``. A row without a valid entry yields
         zeros, and padding a list with holes changes no bit of its row."""
+
+    @abstractmethod
+    def split_sinkhorn(self, mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """mHC coefficients: raw mixes ``[T, (2 + hc) * hc]`` fp32 -> pre ``[T, hc]``, post ``[T, hc]``,
+        comb ``[T, hc, hc]`` fp32; ``model.mhc.split_sinkhorn``'s arithmetic (sigmoids, a softmax, then
+        ``iters`` column/row normalisations, each token alone)."""
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of each row of ``x [..., D]`` (bf16 or fp32) in fp32, times ``weight [D]``, back in
+        ``x``'s dtype (``model.layers.rms_norm``)."""
+
+    @abstractmethod
+    def fp8_round_trip(self, x: torch.Tensor) -> torch.Tensor:
+        """bf16 ``[T, K]`` through FP8 e4m3 with a UE8M0 scale per 32 values and back, exactly
+        (``model.quant.fp8_qdq``; the sliding-window KV)."""
+
+    @abstractmethod
+    def fp4_round_trip(self, x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
+        """bf16 ``[..., K]`` through FP4 e2m1 and back, exactly (``model.quant.fp4_qdq``): groups of 32
+        with UE8M0 scales (index queries and keys) or of 16 with E4M3 scales (compressed KV)."""

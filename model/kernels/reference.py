@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from ..gemm import block_scaled_linear, dense_linear
+from ..layers import rms_norm
+from ..quant import fp4_qdq, fp8_qdq
+from ..mhc import split_sinkhorn
 from ..sparse_attention import sparse_attention_padded
 from .backend import KernelBackend
 from .weights import ExpertWeights, QuantizedWeight
@@ -72,3 +75,16 @@ class ReferenceKernels(KernelBackend):
         if isinstance(stack, QuantizedWeight):
             return self.quantized_linear(x, stack[e])
         return dense_linear(x, stack[e], self.batch_invariant)
+
+    def split_sinkhorn(self, mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return split_sinkhorn(mixes, scale, base, hc, iters, eps)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def fp8_round_trip(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_qdq(x, 32)
+
+    def fp4_round_trip(self, x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
+        return fp4_qdq(x, block, e4m3_scale)

@@ -16,6 +16,9 @@ from .triton_decode_mm import MAX_TOKENS as DECODE_MAX_TOKENS
 from .triton_decode_mm import decode_mm
 from .triton_moe import fused_experts
 from .triton_scaled_mm import act_quant, act_quant_bf16, scaled_mm
+from .triton_fp4_round_trip import fp4_round_trip
+from .triton_rms_norm import rms_norm
+from .triton_sinkhorn import split_sinkhorn
 from .triton_sparse_attention import sparse_attention
 from .weights import ExpertWeights, QuantizedWeight
 
@@ -24,7 +27,8 @@ class TritonKernels(KernelBackend):
     """``batch_invariant``: every product in its prefill form, whose rows never depend on M (see
     ``triton_bf16_mm``); otherwise products of at most ``decode_mm.MAX_TOKENS`` rows take the faster
     split-K decode form (``triton_decode_mm``). The sparse attention is one launch per layer
-    (``triton_sparse_attention``), where its torch twin takes ~120 small kernels."""
+    (``triton_sparse_attention``), where its torch twin takes ~120 small kernels; mHC's Sinkhorn split
+    one launch (``triton_sinkhorn``) instead of ~135, and so are RMSNorm and the FP8/FP4 round trips."""
 
     name = "triton"
 
@@ -68,3 +72,16 @@ class TritonKernels(KernelBackend):
     def sparse_attention(self, q: torch.Tensor, kv_rows: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
                          scale: float) -> torch.Tensor:
         return sparse_attention(q, kv_rows, valid, sink, scale)
+
+    def split_sinkhorn(self, mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return split_sinkhorn(mixes, scale, base, hc, iters, eps)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def fp8_round_trip(self, x: torch.Tensor) -> torch.Tensor:
+        return act_quant_bf16(x.contiguous())
+
+    def fp4_round_trip(self, x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
+        return fp4_round_trip(x, block, e4m3_scale)

@@ -1,0 +1,96 @@
+"""Triton kernel of mHC's coefficient split with Sinkhorn iterations (twin: ``model.mhc.split_sinkhorn``).
+
+``split_sinkhorn(mixes, scale, base, hc, iters, eps)``: each token's raw mixes ``[(2 + hc) * hc]``
+fp32 become ``pre [hc]``, ``post [hc]`` and the doubly stochastic ``comb [hc, hc]``, with the twin's
+arithmetic in its order: ``pre = sigmoid(m * scale[0] + base) + eps``, ``post = 2 * sigmoid(m *
+scale[1] + base)``, ``comb`` a softmax over its last axis plus eps, then ``iters`` alternations of
+column and row normalisation (the column first, each denominator plus eps).
+
+Why a kernel: in torch the twin is ~135 tiny kernels per call (20 iterations of two sums and two
+divisions on ``[T, 4, 4]``), two calls per layer, so a one-token decode step of an 8-layer model
+spends more time launching them than anything else. Here one launch does a block of tokens, each
+token's 24 values held in registers throughout.
+
+Layouts: mixes ``[T, (2 + hc) * hc]`` fp32 (last dim contiguous), scale ``[3]`` and base ``[(2 +
+hc) * hc]`` fp32; out pre ``[T, hc]``, post ``[T, hc]``, comb ``[T, hc, hc]`` fp32, contiguous.
+``hc`` must be a power of two (V4.1: 4).
+
+Arithmetic: fp32 fusion is off (the twin rounds each product and each sum), divisions are IEEE's
+(``div_rn``) and ``exp`` is CUDA's ``expf``, what torch runs; ``sigmoid(x) = 1 / (1 + exp(-x))``,
+torch's CUDA formula. The sums over four values may add in another order than torch's reduction,
+so results can differ from the twin by a few fp32 ulps (``tests/test_triton_sinkhorn.py`` states
+the tolerance). Each token is computed alone: no result depends on the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .triton_common import INTERPRETED
+
+BLOCK_T = 64  # tokens per program
+
+
+@triton.jit
+def _exp(x, INTERPRETED: tl.constexpr):
+    """fp32 exp: CUDA's ``expf`` on the GPU (tl.exp would be ``ex2.approx``); numpy's in the interpreter."""
+    if INTERPRETED:
+        return tl.exp(x)
+    else:
+        return libdevice.exp(x)
+
+
+@triton.jit
+def _sigmoid(x, INTERPRETED: tl.constexpr):
+    return tl.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + _exp(-x, INTERPRETED))
+
+
+@triton.jit
+def _sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, stride_mix, iters, eps,
+                     HC: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRETED: tl.constexpr):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < T
+    j = tl.arange(0, HC)
+    row = mix_ptr + offs_t.to(tl.int64) * stride_mix
+
+    vector_mask = t_mask[:, None]
+    pre = tl.load(row[:, None] + j[None, :], mask=vector_mask, other=0.0) * tl.load(scale_ptr)
+    pre = _sigmoid(pre + tl.load(base_ptr + j)[None, :], INTERPRETED) + eps
+    post = tl.load(row[:, None] + HC + j[None, :], mask=vector_mask, other=0.0) * tl.load(scale_ptr + 1)
+    post = 2.0 * _sigmoid(post + tl.load(base_ptr + HC + j)[None, :], INTERPRETED)
+
+    square = j[:, None] * HC + j[None, :]  # [HC, HC]: comb[j, k] at 2 * HC + j * HC + k
+    comb = tl.load(row[:, None, None] + 2 * HC + square[None, :, :], mask=t_mask[:, None, None], other=0.0)
+    comb = comb * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + square)[None, :, :]
+    comb = _exp(comb - tl.max(comb, axis=2)[:, :, None], INTERPRETED)  # softmax over k ...
+    comb = tl.div_rn(comb, tl.sum(comb, axis=2)[:, :, None]) + eps  # ... plus eps
+    comb = tl.div_rn(comb, tl.sum(comb, axis=1)[:, None, :] + eps)  # the column normalisation first
+    for _ in range(iters - 1):
+        comb = tl.div_rn(comb, tl.sum(comb, axis=2)[:, :, None] + eps)
+        comb = tl.div_rn(comb, tl.sum(comb, axis=1)[:, None, :] + eps)
+
+    out = offs_t.to(tl.int64)
+    tl.store(pre_ptr + out[:, None] * HC + j[None, :], pre, mask=vector_mask)
+    tl.store(post_ptr + out[:, None] * HC + j[None, :], post, mask=vector_mask)
+    tl.store(comb_ptr + out[:, None, None] * (HC * HC) + square[None, :, :], comb, mask=t_mask[:, None, None])
+
+
+def split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mixes ``[T, (2 + hc) * hc]`` -> pre ``[T, hc]``, post ``[T, hc]``, comb ``[T, hc, hc]`` (module docstring)."""
+    t = mixes.shape[0]
+    mixes = mixes.float()
+    if mixes.stride(-1) != 1:
+        mixes = mixes.contiguous()
+    pre = torch.empty(t, hc, dtype=torch.float32, device=mixes.device)
+    post = torch.empty_like(pre)
+    comb = torch.empty(t, hc, hc, dtype=torch.float32, device=mixes.device)
+    if t == 0:
+        return pre, post, comb
+    _sinkhorn_kernel[(triton.cdiv(t, BLOCK_T),)](
+        mixes, scale.float().contiguous(), base.float().contiguous(), pre, post, comb, t, mixes.stride(0),
+        iters, float(eps), HC=hc, BLOCK_T=BLOCK_T, INTERPRETED=INTERPRETED, enable_fp_fusion=False)
+    return pre, post, comb
