@@ -76,9 +76,9 @@ class Attention:
         eps = cfg.rms_norm_eps
         qr = self.kernels.rms_norm(w.wq_a(x), w.q_norm, eps)
         q = w.wq_b(qr).unflatten(-1, (cfg.num_heads, cfg.head_dim))
-        self.rope.rotate_(q[..., -rd:], pos)
+        self.kernels.rotate_(q[..., -rd:], pos, self.rope)
         kv = self.kernels.rms_norm(w.wkv(x), w.kv_norm, eps)
-        self.rope.rotate_(kv[:, -rd:], pos)
+        self.kernels.rotate_(kv[:, -rd:], pos, self.rope)
         kv = self.kernels.fp8_round_trip(kv)
 
         if self.role.compress_ratio:
@@ -94,7 +94,7 @@ class Attention:
                 o = self.kernels.sparse_attention(q, kv_rows, valid, w.sink, self.scale)
         else:
             o = torch.zeros_like(q)
-        self.rope.rotate_(o[..., -rd:], pos, inverse=True)
+        self.kernels.rotate_(o[..., -rd:], pos, self.rope, inverse=True)
         self._write_window(kv, batch, cache)
         return w.wo_b(self._grouped_output(o))
 

@@ -46,10 +46,10 @@ class Compressor:
             return
         entry_positions = entry_ids * self.ratio  # an entry stands for its group's first token
         keys = self.kernels.rms_norm(self.index_wk(latents), self.index_k_norm, self.eps)
-        rope.rotate_(keys[:, -self.rope_dims:], entry_positions)
+        self.kernels.rotate_(keys[:, -self.rope_dims:], entry_positions, rope)
         keys = self.kernels.fp4_round_trip(keys, 32, e4m3_scale=False)
         kv = latents.clone()
-        rope.rotate_(kv[:, -self.rope_dims:], entry_positions)
+        self.kernels.rotate_(kv[:, -self.rope_dims:], entry_positions, rope)
         kv = self.kernels.fp4_round_trip(kv, 16, e4m3_scale=True)
         blocks, rows = cache.entry_rows_batched(self.layer_id, batch.layout.block_tables, seq_of_entry, entry_ids)
         cache.write_entries(self.layer_id, blocks, rows, kv, keys)

@@ -98,7 +98,7 @@ class Indexer:
     def queries(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, rope: RotaryTable):
         """Index queries [T, H, d] (RoPE'd, FP4 round trip) and per-head weights [T, H] for all tokens."""
         q = self.wq_b(qr).unflatten(-1, (self.num_heads, self.head_dim))
-        rope.rotate_(q[..., -self.rope_dims:], positions)
+        self.kernels.rotate_(q[..., -self.rope_dims:], positions, rope)
         q = self.kernels.fp4_round_trip(q, 32, e4m3_scale=False)
         weights = self.weights_proj(x) * self.weight_scale
         return q, weights

@@ -17,7 +17,7 @@ from .cache import V41Cache
 from .config import V41Config
 from .engram import Engram, NgramHasher
 from .kernels import KernelBackend
-from .mhc import HyperConnection, collapse, expand, identity_pre_mix
+from .mhc import HyperConnection, identity_pre_mix
 from .moe import MoE
 
 
@@ -74,13 +74,13 @@ class Block:
         eps = self.cfg.rms_norm_eps
         residual = stream
         attn_pre, attn_post, attn_comb = self.attn_hc.coefficients(stream, self.batch_invariant)
-        x = self.kernels.rms_norm(collapse(stream, pre_mix), self.attn_norm, eps)
-        stream = expand(self.attention(x, batch, cache, state), residual, attn_post, attn_comb)
+        x = self.kernels.rms_norm(self.kernels.hc_collapse(stream, pre_mix), self.attn_norm, eps)
+        stream = self.kernels.hc_expand(self.attention(x, batch, cache, state), residual, attn_post, attn_comb)
 
         residual = stream
         ffn_pre, ffn_post, ffn_comb = self.ffn_hc.coefficients(stream, self.batch_invariant)
-        x = self.kernels.rms_norm(collapse(stream, attn_pre), self.ffn_norm, eps)  # the delayed pre-mix
-        stream = expand(self.moe(x), residual, ffn_post, ffn_comb)
+        x = self.kernels.rms_norm(self.kernels.hc_collapse(stream, attn_pre), self.ffn_norm, eps)  # the delayed pre-mix
+        stream = self.kernels.hc_expand(self.moe(x), residual, ffn_post, ffn_comb)
         return stream, ffn_pre
 
 
@@ -118,7 +118,7 @@ class V41Model:
                 column = cfg.engram_layer_ids.index(block.layer_id)
                 stream = block.engram(stream, hash_ids[:, column])
             stream, pre_mix = block(stream, pre_mix, batch, cache, state)
-        return self.kernels.rms_norm(collapse(stream, pre_mix), self.final_norm, cfg.rms_norm_eps)
+        return self.kernels.rms_norm(self.kernels.hc_collapse(stream, pre_mix), self.final_norm, cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

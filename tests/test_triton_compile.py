@@ -45,7 +45,8 @@ def main() -> int:
     from triton.compiler import ASTSource
 
     from model.kernels import (tile_configs, triton_bf16_mm, triton_decode_mm, triton_moe, triton_scaled_mm,
-                               triton_fp4_round_trip, triton_rms_norm, triton_sinkhorn, triton_sparse_attention)
+                               triton_fp4_round_trip, triton_mhc, triton_rms_norm, triton_rope, triton_sinkhorn,
+                               triton_sparse_attention)
 
     hopper = GPUTarget("cuda", 90, 32)
 
@@ -145,6 +146,20 @@ def main() -> int:
                **scalars("D stride_x stride_o"), "inv_d": "fp32", "eps": "fp32"},
               {"BLOCK_D": block_d, "OUT_BF16": out_bf16, "INTERPRETED": False},
               options={"num_warps": 16, "enable_fp_fusion": False}, wgmma=False)
+    for inverse in (False, True):
+        check(f"rope inverse={inverse}", triton_rope._rope_kernel,
+              {"x_ptr": "*bf16", "pos_ptr": "*i64", "table_ptr": "*fp32", **scalars("H stride_xt stride_xh stride_p")},
+              {"HALF": 32, "INVERSE": inverse, "BLOCK_H": triton_rope.BLOCK_H, "INTERPRETED": False},
+              options={"num_warps": 1, "enable_fp_fusion": False}, wgmma=False)
+    mix = {"HC": 4, "BLOCK_D": triton_mhc.BLOCK_D, "INTERPRETED": False}
+    check("hc_collapse", triton_mhc._collapse_kernel,
+          {"stream_ptr": "*bf16", "pre_ptr": "*fp32", "out_ptr": "*bf16", **scalars("D stride_st stride_sh stride_pt "
+                                                                                   "stride_ot")},
+          mix, options={"enable_fp_fusion": False}, wgmma=False)
+    check("hc_expand", triton_mhc._expand_kernel,
+          {"output_ptr": "*bf16", "residual_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "y_ptr": "*bf16",
+           **scalars("D stride_ot stride_rt stride_rh stride_yt stride_yh")},
+          mix, options={"enable_fp_fusion": False}, wgmma=False)
     return 0
 
 

@@ -5,7 +5,8 @@ exist: ``reference`` (``reference.py``: the arithmetic proven equal to DeepSeek'
 default on CPU, what ``parity`` uses) and ``triton`` (``triton_backend.py``: GPU kernels that
 read the storage formats directly, default on CUDA). The head is in the interface for its size
 (the largest single weight). A few elementwise chains are in it for their launch counts: each is
-many tiny torch kernels (mHC's Sinkhorn split ~135 per call, an FP4 round trip ~28, RMSNorm 6),
+many tiny torch kernels (mHC's Sinkhorn split ~135 per call, an FP4 round trip ~28, mHC's
+collapse and expand 4 and 7, RMSNorm and RoPE 6),
 which a decode step would otherwise spend its time launching. Other plain bf16/fp32 products (mHC mixes, the router, compressor and
 indexer weights) are not: both backends run them through torch (``model/gemm.py``).
 """
@@ -13,10 +14,14 @@ indexer weights) are not: both backends run them through torch (``model/gemm.py`
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 
 from .weights import ExpertWeights, QuantizedWeight
+
+if TYPE_CHECKING:
+    from ..rope import RotaryTable
 
 
 class KernelBackend(ABC):
@@ -89,3 +94,20 @@ class KernelBackend(ABC):
     def fp4_round_trip(self, x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
         """bf16 ``[..., K]`` through FP4 e2m1 and back, exactly (``model.quant.fp4_qdq``): groups of 32
         with UE8M0 scales (index queries and keys) or of 16 with E4M3 scales (compressed KV)."""
+
+    @abstractmethod
+    def rotate_(self, x: torch.Tensor, positions: torch.Tensor, rope: "RotaryTable", inverse: bool = False) -> torch.Tensor:
+        """RoPE in place: the bf16 view ``x [T, R]`` or ``[T, H, R]`` (pairs of its last dim as complex
+        numbers) times ``rope``'s rotation at ``positions [T]`` (conjugated with ``inverse``), in fp32
+        (``model.rope.RotaryTable.rotate_``); returns ``x``."""
+
+    @abstractmethod
+    def hc_collapse(self, stream: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """mHC: the copies of ``stream [T, hc, D]`` weighted by ``pre [T, hc]``, summed in fp32
+        (``model.mhc.collapse``) -> ``[T, D]``."""
+
+    @abstractmethod
+    def hc_expand(self, output: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+                  comb: torch.Tensor) -> torch.Tensor:
+        """mHC: a sub-layer's ``output [T, D]`` spread over the copies by ``post [T, hc]`` plus the
+        ``residual [T, hc, D]`` mixed by ``comb [T, hc, hc]``, in fp32 (``model.mhc.expand``)."""

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from ..gemm import block_scaled_linear, dense_linear
 from ..layers import rms_norm
 from ..quant import fp4_qdq, fp8_qdq
-from ..mhc import split_sinkhorn
+from ..rope import RotaryTable
+from ..mhc import collapse, expand, split_sinkhorn
 from ..sparse_attention import sparse_attention_padded
 from .backend import KernelBackend
 from .weights import ExpertWeights, QuantizedWeight
@@ -88,3 +89,13 @@ class ReferenceKernels(KernelBackend):
 
     def fp4_round_trip(self, x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
         return fp4_qdq(x, block, e4m3_scale)
+
+    def rotate_(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable, inverse: bool = False) -> torch.Tensor:
+        return rope.rotate_(x, positions, inverse)
+
+    def hc_collapse(self, stream: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        return collapse(stream, pre)
+
+    def hc_expand(self, output: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+                  comb: torch.Tensor) -> torch.Tensor:
+        return expand(output, residual, post, comb)

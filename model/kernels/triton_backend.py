@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..config import WeightFormat
+from ..rope import RotaryTable
 from .backend import KernelBackend
 from .reference import ReferenceKernels
 from .triton_bf16_mm import bf16_mm
@@ -17,7 +18,9 @@ from .triton_decode_mm import decode_mm
 from .triton_moe import fused_experts
 from .triton_scaled_mm import act_quant, act_quant_bf16, scaled_mm
 from .triton_fp4_round_trip import fp4_round_trip
+from .triton_mhc import collapse, expand
 from .triton_rms_norm import rms_norm
+from .triton_rope import rotate_
 from .triton_sinkhorn import split_sinkhorn
 from .triton_sparse_attention import sparse_attention
 from .weights import ExpertWeights, QuantizedWeight
@@ -28,7 +31,8 @@ class TritonKernels(KernelBackend):
     ``triton_bf16_mm``); otherwise products of at most ``decode_mm.MAX_TOKENS`` rows take the faster
     split-K decode form (``triton_decode_mm``). The sparse attention is one launch per layer
     (``triton_sparse_attention``), where its torch twin takes ~120 small kernels; mHC's Sinkhorn split
-    one launch (``triton_sinkhorn``) instead of ~135, and so are RMSNorm and the FP8/FP4 round trips."""
+    one launch (``triton_sinkhorn``) instead of ~135, and so are RMSNorm, RoPE, the FP8/FP4 round trips
+    and mHC's collapse and expand."""
 
     name = "triton"
 
@@ -85,3 +89,13 @@ class TritonKernels(KernelBackend):
 
     def fp4_round_trip(self, x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
         return fp4_round_trip(x, block, e4m3_scale)
+
+    def rotate_(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable, inverse: bool = False) -> torch.Tensor:
+        return rotate_(x, positions, rope.table, inverse)
+
+    def hc_collapse(self, stream: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        return collapse(stream, pre)
+
+    def hc_expand(self, output: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+                  comb: torch.Tensor) -> torch.Tensor:
+        return expand(output, residual, post, comb)

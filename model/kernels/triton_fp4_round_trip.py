@@ -65,9 +65,11 @@ def _fp4_round_trip_kernel(x_ptr, out_ptr, R, K, stride_x, stride_o, GROUP: tl.c
         exponent = ((scaled >> 23) & 0xFF) + ((scaled & 0x7FFFFF) != 0).to(tl.int32)  # ceil(log2) + 127
         scale = (exponent << 23).to(tl.float32, bitcast=True)
     v = tl.minimum(tl.maximum(tl.div_rn(groups, scale[:, :, None]), -6.0), 6.0)
-    magnitude = _e2m1_magnitude(tl.abs(v))
-    negative = v.to(tl.int32, bitcast=True) < 0  # the sign bit: -0.0 stays -0.0
-    y = tl.where(negative, -magnitude, magnitude) * scale[:, :, None]
+    magnitude = _e2m1_magnitude(tl.abs(v)) * scale[:, :, None]
+    # the sign is x's (dividing by a positive scale and clamping keep it), set on the bits so that
+    # -0.0 stays -0.0: the compiler may drop the sign of a zero in a float negation or select
+    sign = groups.to(tl.int32, bitcast=True) & -0x80000000
+    y = (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     tl.store(out_ptr + rows64[:, None] * stride_o + cols[None, :],
              tl.reshape(y, (BLOCK_ROWS, BLOCK_K)).to(tl.bfloat16), mask=mask)
 

@@ -32,6 +32,7 @@ from triton.language.extra import libdevice
 from .triton_common import INTERPRETED
 
 BLOCK_T = 64  # tokens per program
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -92,5 +93,5 @@ def split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
         return pre, post, comb
     _sinkhorn_kernel[(triton.cdiv(t, BLOCK_T),)](
         mixes, scale.float().contiguous(), base.float().contiguous(), pre, post, comb, t, mixes.stride(0),
-        iters, float(eps), HC=hc, BLOCK_T=BLOCK_T, INTERPRETED=INTERPRETED, enable_fp_fusion=False)
+        iters, float(eps), HC=hc, BLOCK_T=BLOCK_T, INTERPRETED=INTERPRETED, num_warps=NUM_WARPS, enable_fp_fusion=False)
     return pre, post, comb
