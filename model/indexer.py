@@ -131,13 +131,10 @@ class Indexer:
         k_per_row = visible.clamp(max=self.topk)
         return top_entries(scores, k_per_row, min(self.topk, num_entries)), published
 
-    def _scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, batched: bool = False) -> torch.Tensor:
-        """[S, E] bf16: sum over heads of weight * relu(q . k), with the reference's bf16 roundings.
-
-        keys: [E, d] shared by the S queries, or with ``batched`` [S, E, d], each query its own."""
-        if batched:
-            per_head = torch.bmm(q, keys.transpose(1, 2))
-        elif self.batch_invariant:
+    def _scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """[S, E] bf16: sum over heads of weight * relu(q . k), with the reference's bf16 roundings;
+        keys [E, d] shared by the S queries (one sequence's chunk)."""
+        if self.batch_invariant:
             # one [H, d] x [d, E] product per query: what the reference computes in a decode step
             per_head = torch.bmm(q, keys.t().unsqueeze(0).expand(q.shape[0], -1, -1))
         else:
@@ -181,13 +178,13 @@ class Indexer:
                     published[rows, :n] = mask
         else:
             # every query its own product against its sequence's keys, a slice of queries at a time:
-            # the per-query keys and per-head scores of a long prefill chunk would not fit at once
-            # (8K queries x 8K keys x 128 dims is 16 GiB); rows are independent, so slicing
-            # changes no bit
+            # the reference backend's per-query keys and per-head scores of a long prefill chunk
+            # would not fit at once (8K queries x 8K keys x 128 dims is 16 GiB), nor would the
+            # float scores of the top-k; rows are independent, so slicing changes no bit
             step = max(1, SCORE_ELEMENTS // (width * max(q.shape[1], q.shape[2])))
             for start in range(0, t, step):
                 rows = slice(start, min(start + step, t))
-                scores = self._scores(q[rows], weights[rows], keys[layout.seq[rows]], batched=True)
+                scores = self.kernels.index_scores(q[rows], weights[rows], keys, layout.seq[rows])
                 cand = candidates[rows] if candidates is not None else None
                 selection, mask = self._pick(scores, batch.positions[rows], cand)
                 entries[rows] = selection.entries

@@ -45,7 +45,7 @@ def main() -> int:
     from triton.compiler import ASTSource
 
     from model.kernels import (tile_configs, triton_bf16_mm, triton_decode_mm, triton_moe, triton_scaled_mm,
-                               triton_fp4_round_trip, triton_mhc, triton_rms_norm, triton_rope, triton_sinkhorn,
+                               triton_fp4_round_trip, triton_index_scores, triton_mhc, triton_rms_norm, triton_rope, triton_sinkhorn,
                                triton_sparse_attention)
 
     hopper = GPUTarget("cuda", 90, 32)
@@ -160,6 +160,11 @@ def main() -> int:
           {"output_ptr": "*bf16", "residual_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "y_ptr": "*bf16",
            **scalars("D stride_ot stride_rt stride_rh stride_yt stride_yh")},
           mix, options={"enable_fp_fusion": False}, wgmma=False)
+    check("index_scores H=64 d=128", triton_index_scores._index_scores_kernel,
+          {"q_ptr": "*bf16", "w_ptr": "*bf16", "k_ptr": "*bf16", "seq_ptr": "*i64", "out_ptr": "*bf16",
+           **scalars("E stride_qt stride_qh stride_wt stride_kb stride_ke stride_ot")},
+          {"H": 64, "D": 128, "BLOCK_E": triton_index_scores.BLOCK_E, "INTERPRETED": False},
+          options={"num_warps": 4, "enable_fp_fusion": False}, spill_free=True)
     return 0
 
 

@@ -111,3 +111,13 @@ class KernelBackend(ABC):
                   comb: torch.Tensor) -> torch.Tensor:
         """mHC: a sub-layer's ``output [T, D]`` spread over the copies by ``post [T, hc]`` plus the
         ``residual [T, hc, D]`` mixed by ``comb [T, hc, hc]``, in fp32 (``model.mhc.expand``)."""
+
+    @abstractmethod
+    def index_scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                     seq: torch.Tensor) -> torch.Tensor:
+        """The indexer's scores of every query against its own sequence's keys -> bf16 ``[T, E]``.
+
+        ``q [T, H, d]`` bf16 index queries, ``weights [T, H]`` bf16 head weights, ``keys [B, E, d]``
+        bf16 (each sequence's index keys), ``seq [T]`` (each query's row of ``keys``):
+        ``sum_h weights[t, h] * relu(q[t, h] . keys[seq[t], e])`` with the reference's bf16 roundings
+        (the dot product, the weighted value, the sum over heads)."""

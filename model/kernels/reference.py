@@ -99,3 +99,8 @@ class ReferenceKernels(KernelBackend):
     def hc_expand(self, output: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
                   comb: torch.Tensor) -> torch.Tensor:
         return expand(output, residual, post, comb)
+
+    def index_scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                     seq: torch.Tensor) -> torch.Tensor:
+        per_head = torch.bmm(q, keys[seq].transpose(1, 2))  # every query its own product, as the reference
+        return (per_head.relu_() * weights.unsqueeze(-1)).sum(dim=1)

@@ -18,6 +18,7 @@ from .triton_decode_mm import decode_mm
 from .triton_moe import fused_experts
 from .triton_scaled_mm import act_quant, act_quant_bf16, scaled_mm
 from .triton_fp4_round_trip import fp4_round_trip
+from .triton_index_scores import index_scores
 from .triton_mhc import collapse, expand
 from .triton_rms_norm import rms_norm
 from .triton_rope import rotate_
@@ -32,7 +33,8 @@ class TritonKernels(KernelBackend):
     split-K decode form (``triton_decode_mm``). The sparse attention is one launch per layer
     (``triton_sparse_attention``), where its torch twin takes ~120 small kernels; mHC's Sinkhorn split
     one launch (``triton_sinkhorn``) instead of ~135, and so are RMSNorm, RoPE, the FP8/FP4 round trips
-    and mHC's collapse and expand."""
+    and mHC's collapse and expand; the indexer's scores read each sequence's keys in place
+    (``triton_index_scores``) instead of a per-query copy."""
 
     name = "triton"
 
@@ -99,3 +101,7 @@ class TritonKernels(KernelBackend):
     def hc_expand(self, output: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
                   comb: torch.Tensor) -> torch.Tensor:
         return expand(output, residual, post, comb)
+
+    def index_scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                     seq: torch.Tensor) -> torch.Tensor:
+        return index_scores(q, weights, keys, seq)
