@@ -18,7 +18,11 @@ The limit of a step is what the device must at least do: read every weight the s
 attends to, at the bandwidth measured here; and the step's matrix FLOPs at the bf16 tensor-core
 rate measured here (both by ``benchmarks/device_limits.py``, as for ``benchmarks/kernels.py``).
 ``limit = max(bytes / bandwidth, flops / peak)``, per GPU: with ``--dp N`` each GPU holds 1/N of
-the experts, hit by the tokens of every rank. With ``--profile-batch B`` a few steps at batch B are
+the experts, hit by the tokens of every rank. Prefill is reported as prompt tokens over the time
+from submission until every sequence has produced its first decode token (so it includes one or two
+decode steps: meaningful for long prompts), next to the tensor-core limit of a prompt token
+(``prefill_flops_per_token``: the weights' products plus the attention's, averaged over the
+prompt's positions, at the measured bf16 rate). With ``--profile-batch B`` a few steps at batch B are
 traced (torch.profiler) and the GPU's idle share between and within them is printed.
 """
 
@@ -84,6 +88,24 @@ def step_cost(cfg: V41Config, batch: int, context: int, dp: int = 1) -> tuple[fl
     inter, d = cfg.moe_intermediate_size, cfg.hidden_size
     flops = 2 * batch * (dense_params + cfg.num_layers * top_k * 3 * inter * d)
     return total_bytes, flops
+
+
+def prefill_flops_per_token(cfg: V41Config, context: int) -> float:
+    """Matrix FLOPs per prompt token of a ``context``-token prefill, averaged over its positions: the
+    weights' products (as a one-token decode step, the head for the last token only) plus the attention's: window and selected
+    compressed entries (QK and PV over every head) and the indexer's scores over the visible entries."""
+    positions = torch.arange(1, context + 1, dtype=torch.float64)  # tokens visible to each query
+    heads, head_dim = cfg.num_heads, cfg.head_dim
+    attention = 0.0
+    for role in cfg.roles:
+        attention += 4 * heads * head_dim * positions.clamp(max=cfg.sliding_window).mean().item()
+        if role.compress_ratio:
+            entries = torch.div(positions, role.compress_ratio, rounding_mode="floor")
+            attention += 4 * heads * head_dim * entries.clamp(max=cfg.index_topk).mean().item()
+            if role.runs_indexer:
+                attention += 2 * cfg.index_num_heads * cfg.index_head_dim * entries.mean().item()
+    head = 2 * cfg.vocab_size * cfg.hidden_size * (1 - 1 / context)  # logits of the last prompt token only
+    return step_cost(cfg, 1, context)[1] - head + attention
 
 
 def decode_step_times(llm: LLM, prompts: list[list[int]], steps: int, around_steps=None) -> tuple[float, float]:
@@ -231,8 +253,10 @@ def main() -> int:
             prefill, step = decode_step_times(llm, prompts, steps)
             nbytes, flops = step_cost(cfg, batch, args.context, args.dp)
             limit = max(nbytes / bandwidth, flops / peak)
+            prefill_rate = batch * args.dp * args.context / prefill
+            prefill_limit = peak / prefill_flops_per_token(cfg, args.context)  # tokens/s on the tensor cores
             row = dict(kernels=variant, batch=batch, dp=args.dp, context=args.context, step_ms=step * 1e3,
-                       prefill_tokens_per_s=batch * args.dp * args.context / prefill,
+                       prefill_tokens_per_s=prefill_rate, prefill_limit_tokens_per_s=prefill_limit,
                        tokens_per_s=batch * args.dp / step, tokens_per_s_per_gpu=batch / step, limit_ms=limit * 1e3, pct_of_limit=100 * limit / step,
                        bytes_per_step_gb=nbytes / 1e9, prefill_s=prefill, weights_gib=held_gib,
                        checkpoint_gib=expected_gib)
@@ -242,7 +266,8 @@ def main() -> int:
             print(f"{variant:10s} batch {batch:4d} x {args.dp}: step {step * 1e3:8.2f} ms, "
                   f"{batch * args.dp / step:8.1f} tok/s ({batch / step:.1f} per GPU), "
                   f"limit {limit * 1e3:6.3f} ms ({100 * limit / step:5.1f}% of it), "
-                  f"{nbytes / 1e9:.2f} GB/step", flush=True)
+                  f"{nbytes / 1e9:.2f} GB/step; prefill {prefill_rate:.0f} tok/s ({100 * prefill_rate / prefill_limit:.1f}% "
+                  f"of the tensor-core limit {prefill_limit:.0f}; includes the first decode steps)", flush=True)
         del llm
         gc.collect()
         torch.cuda.empty_cache()

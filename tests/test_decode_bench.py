@@ -19,3 +19,24 @@ def test_device_busy_is_the_union_of_device_intervals():
     prof = SimpleNamespace(events=lambda: events)
     assert device_busy(prof) == (12 + 10 + 1, 41)
     assert device_busy(SimpleNamespace(events=lambda: [])) == (0.0, 0.0)
+
+
+def test_prefill_flops_per_token_adds_the_attention_of_each_position(tmp_path):
+    """The tiny model, a 40-token prompt: the weights' products (the head once) plus, per layer, the
+    window and selected entries (QK and PV) and the indexer's visible entries, position by position."""
+    from benchmarks.decode import prefill_flops_per_token, step_cost
+    from model.checkpoint_maker import make_checkpoint
+    from model.config import V41Config
+
+    cfg = V41Config.from_pretrained(make_checkpoint(tmp_path / "tiny", preset="tiny", config_only=True))
+    context = 40
+    expected = step_cost(cfg, 1, context)[1] - 2 * cfg.vocab_size * cfg.hidden_size * (1 - 1 / context)
+    for position in range(1, context + 1):
+        for role in cfg.roles:
+            per_entry = 4 * cfg.num_heads * cfg.head_dim / context
+            expected += per_entry * min(position, cfg.sliding_window)
+            if role.compress_ratio:
+                expected += per_entry * min(position // role.compress_ratio, cfg.index_topk)
+                if role.runs_indexer:
+                    expected += 2 * cfg.index_num_heads * cfg.index_head_dim * (position // role.compress_ratio) / context
+    assert abs(prefill_flops_per_token(cfg, context) - expected) <= 1e-9 * expected
