@@ -44,7 +44,8 @@ def main() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from model.kernels import (tile_configs, triton_bf16_mm, triton_decode_mm, triton_moe, triton_scaled_mm,
+    from model.cache_formats import COMPRESSED_KV, INDEX_KEYS, WINDOW_KV
+    from model.kernels import (tile_configs, triton_bf16_mm, triton_cache_codec, triton_decode_mm, triton_moe, triton_scaled_mm,
                                triton_fp4_round_trip, triton_index_scores, triton_mhc, triton_rms_norm, triton_rope, triton_sinkhorn,
                                triton_sparse_attention)
 
@@ -165,6 +166,13 @@ def main() -> int:
            **scalars("E stride_qt stride_qh stride_wt stride_kb stride_ke stride_ot")},
           {"H": 64, "D": 128, "BLOCK_E": triton_index_scores.BLOCK_E, "INTERPRETED": False},
           options={"num_warps": 4, "enable_fp_fusion": False}, spill_free=True)
+    for fmt, width in ((WINDOW_KV, 512), (COMPRESSED_KV, 512), (INDEX_KEYS, 128)):
+        constants = triton_cache_codec._constants(fmt, width)
+        check(f"cache read {fmt.describe()}", triton_cache_codec._read_rows_kernel,
+              {"data_ptr": "*u8", "rows_ptr": "*i64", "out_ptr": "*i16", "M": "i32"}, constants, wgmma=False)
+        check(f"cache write {fmt.describe()}", triton_cache_codec._write_rows_kernel,
+              {"values_ptr": "*i16", "rows_ptr": "*i64", "data_ptr": "*u8", "M": "i32", "stride_v": "i32"},
+              constants, wgmma=False)
     return 0
 
 

@@ -21,12 +21,14 @@ def round_to_e4m3(q):
     """fp32 in [-448, 448] -> the nearest e4m3 value (ties to even), as fp32.
 
     Normal values keep 3 mantissa bits; below 2**-6 (e4m3 subnormals) values round to a multiple
-    of 2**-9 through an fp32 addition, whose rounding is to nearest even.
+    of 2**-9 through an fp32 addition, whose rounding is to nearest even; the sign is put back on
+    the bits, since the addition turns a tiny negative into +0.0 where the cast gives -0.0.
     """
     bits = q.to(tl.int32, bitcast=True)
     lsb = (bits >> 20) & 1
     normal = ((bits + 0x7FFFF + lsb) & -0x100000).to(tl.float32, bitcast=True)
     subnormal = (q + 24576.0) - 24576.0  # 24576 = 1.5 * 2**14: its fp32 ulp is 2**-9
+    subnormal = (subnormal.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(q) < 0.015625, subnormal, normal)
 
 

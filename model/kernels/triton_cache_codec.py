@@ -1,0 +1,190 @@
+"""Triton kernels that read and write KV-cache rows in their byte formats (twin: ``model.cache_formats.RowCodec``).
+
+``read_rows(data, flat_rows, fmt, width)``: the rows ``data[flat_rows]`` of a cache's bytes (``data``
+viewed as ``[N, row_bytes]``) decoded to bf16 ``[M, width]``; ``write_rows(data, flat_rows, values,
+fmt)``: bf16 rows (round-trip outputs) encoded and stored at those rows. Both are the codec's exact
+arithmetic bit for bit (see ``cache_formats.py`` for the formats and the two documented encoding
+choices, which the writer makes the same way):
+
+* read: each code times its group's scale, computed in fp32 and rounded to bf16 (exact: at most
+  six significant bits), with the sign on the bits (so -0.0 stays -0.0);
+* write: the group maximum, the scale from it (UE8M0: 2**ceil(log2(max(amax, floor) * fp32(1 /
+  code max))) off the bits; E4M3: ``e4m3(max(amax, 6 * 2**-9) / 6)``, except 2**-8 at the ambiguous
+  maximum 2**-6), the values divided by it (IEEE), then FP8: clamped to +-448 and rounded to e4m3
+  (nearest even); FP4: clamped to +-6 and rounded to the nearest e2m1 code (ties to the even code).
+
+Why kernels: a read was the gather plus ~12 torch kernels (table lookups, casts, the scale product)
+and a write ~25 (the scale arithmetic, the code search, packing, the concatenation, the scatter);
+each layer of a decode step reads and writes three caches. Here one launch gathers or scatters and
+converts, so the decoded rows are written once and the bytes never pass through intermediates.
+
+Layouts: ``data`` uint8 rows of ``row_bytes`` (codes, then scale bytes), ``flat_rows`` int64 ``[M]``,
+values bf16 ``[M, width]``; ``width`` a power of two, a multiple of the group. Rows are independent
+(writes to one row from two programs race; the engine writes a row once per step, except its
+scratch row, which is never read).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..cache_formats import ElementFormat, RowFormat, ScaleFormat
+from .triton_common import round_to_e4m3
+
+BLOCK_ELEMENTS = 4096  # values per program
+SIGN = tl.constexpr(-0x80000000)
+FP8_FLOOR = tl.constexpr(1e-4)  # the FP8 scale's floor on the group maximum (quant.fp8_scale)
+FP8_MAX_INV = tl.constexpr(1.0 / 448.0)
+FP4_POW2_FLOOR = tl.constexpr(6 * 2.0 ** -126)
+FP4_MAX_INV = tl.constexpr(1.0 / 6.0)
+FP4_E4M3_FLOOR = tl.constexpr(6 * 2.0 ** -9)
+AMBIGUOUS_AMAX = tl.constexpr(2.0 ** -6)  # cache_formats._AMBIGUOUS_E4M3_AMAX
+AMBIGUOUS_SCALE = tl.constexpr(2.0 ** -8)
+
+
+# ----------------------------------------------------------------------------------- bytes -> values
+@triton.jit
+def _e4m3_value(byte):
+    """e4m3fn byte (int32, 0..255) -> fp32 value; 0x7F / 0xFF are NaN."""
+    exponent = (byte >> 3) & 15
+    mantissa = byte & 7
+    normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2**-9
+    magnitude = tl.where((exponent == 15) & (mantissa == 7), float("nan"), magnitude)
+    return (magnitude.to(tl.int32, bitcast=True) | ((byte >> 7) << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_value(code):
+    """4-bit e2m1 code (int32; bit 3 the sign) -> fp32 value."""
+    c = code & 7
+    magnitude = tl.where(c < 4, c.to(tl.float32) * 0.5, tl.where(c == 7, 6.0, (c - 2).to(tl.float32)))
+    return (magnitude.to(tl.int32, bitcast=True) | ((code >> 3) << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _ue8m0_value(byte):
+    """UE8M0 byte -> 2**(byte - 127) (2**-127 is an fp32 subnormal; 255 is NaN)."""
+    value = tl.where(byte == 0, 0x00400000, byte << 23).to(tl.float32, bitcast=True)
+    return tl.where(byte == 255, float("nan"), value)
+
+
+@triton.jit
+def _bf16_bits(x):
+    """fp32 -> the bits of the nearest bf16 (ties to even), as int16: stored through an int16 view,
+    so that no float conversion can flush a subnormal (Triton's interpreter does)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
+
+
+@triton.jit
+def _read_rows_kernel(data_ptr, rows_ptr, out_ptr, M, ROW_BYTES: tl.constexpr, CODE_BYTES: tl.constexpr,
+                      FP8: tl.constexpr, UE8M0: tl.constexpr, WIDTH: tl.constexpr, GROUP: tl.constexpr,
+                      BLOCK_ROWS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    mask = rows < M
+    source = data_ptr + tl.load(rows_ptr + rows, mask=mask, other=0)[:, None] * ROW_BYTES  # [R, 1]
+    cols = tl.arange(0, WIDTH)[None, :]
+    if FP8:
+        value = _e4m3_value(tl.load(source + cols, mask=mask[:, None], other=0).to(tl.int32))
+    else:
+        packed = tl.load(source + cols // 2, mask=mask[:, None], other=0).to(tl.int32)
+        value = _e2m1_value(tl.where(cols % 2 == 0, packed & 15, packed >> 4))  # element 2k: low nibble
+    scale_byte = tl.load(source + CODE_BYTES + cols // GROUP, mask=mask[:, None], other=0).to(tl.int32)
+    scale = _ue8m0_value(scale_byte) if UE8M0 else _e4m3_value(scale_byte)
+    out = _bf16_bits(value * scale)  # exact but where the product leaves bf16's range
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * WIDTH + cols, out, mask=mask[:, None])
+
+
+# ----------------------------------------------------------------------------------- values -> bytes
+@triton.jit
+def _pow2_scale(amax, floor, max_inv):
+    """2**ceil(log2(max(amax, floor) * max_inv)), read off the fp32 bits (quant.pow2_scale)."""
+    bits = (tl.maximum(amax, floor) * max_inv).to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (exponent << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_byte(q):
+    """An fp32 e4m3 value (finite, |q| <= 448; -0.0 kept) -> its e4m3fn byte (int32)."""
+    bits = q.to(tl.int32, bitcast=True)
+    magnitude = tl.abs(q)
+    normal = ((((bits >> 23) & 0xFF) - 120) << 3) | ((bits >> 20) & 7)
+    subnormal = (magnitude * 512.0).to(tl.int32)  # a multiple of 2**-9, exact
+    return tl.where(magnitude < 0.015625, subnormal, normal) | (((bits >> 31) & 1) << 7)
+
+
+@triton.jit
+def _e2m1_code(v):
+    """fp32 in [-6, 6] -> 4-bit e2m1 code (int32), nearest magnitude, ties to the even code."""
+    m = tl.abs(v)
+    code = ((m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32)
+            + (m >= 1.75).to(tl.int32) + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32) + (m > 5.0).to(tl.int32))
+    return code | (((v.to(tl.int32, bitcast=True) >> 31) & 1) << 3)
+
+
+@triton.jit
+def _write_rows_kernel(values_ptr, rows_ptr, data_ptr, M, stride_v, ROW_BYTES: tl.constexpr,
+                       CODE_BYTES: tl.constexpr, FP8: tl.constexpr, UE8M0: tl.constexpr, WIDTH: tl.constexpr,
+                       GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    mask = rows < M
+    cols = tl.arange(0, WIDTH)
+    raw = tl.load(values_ptr + rows.to(tl.int64)[:, None] * stride_v + cols[None, :], mask=mask[:, None], other=0)
+    x = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)  # bf16 bits -> fp32, exact
+    groups = tl.reshape(x, (BLOCK_ROWS, WIDTH // GROUP, GROUP))
+    amax = tl.max(tl.abs(groups), axis=2)
+    if FP8:
+        scale = _pow2_scale(amax, FP8_FLOOR, FP8_MAX_INV)
+    elif UE8M0:
+        scale = _pow2_scale(amax, FP4_POW2_FLOOR, FP4_MAX_INV)
+    else:
+        scale = round_to_e4m3(tl.minimum(tl.div_rn(tl.maximum(amax, FP4_E4M3_FLOOR), 6.0), 448.0))
+        scale = tl.where(amax == AMBIGUOUS_AMAX, AMBIGUOUS_SCALE, scale)
+    scaled = tl.div_rn(groups, scale[:, :, None])
+    target = data_ptr + tl.load(rows_ptr + rows, mask=mask, other=0)[:, None] * ROW_BYTES  # [R, 1]
+    if FP8:
+        codes = _e4m3_byte(round_to_e4m3(tl.minimum(tl.maximum(scaled, -448.0), 448.0)))
+        tl.store(target + cols[None, :], tl.reshape(codes, (BLOCK_ROWS, WIDTH)).to(tl.uint8), mask=mask[:, None])
+    else:
+        codes = tl.reshape(_e2m1_code(tl.minimum(tl.maximum(scaled, -6.0), 6.0)), (BLOCK_ROWS, WIDTH // 2, 2))
+        low, high = tl.split(codes)
+        pairs = tl.arange(0, WIDTH // 2)
+        tl.store(target + pairs[None, :], (low | (high << 4)).to(tl.uint8), mask=mask[:, None])
+    if UE8M0:  # a positive power of two: its byte is the fp32 exponent field
+        scale_bytes = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    else:
+        scale_bytes = _e4m3_byte(scale)
+    groups_index = tl.arange(0, WIDTH // GROUP)
+    tl.store(target + CODE_BYTES + groups_index[None, :], scale_bytes.to(tl.uint8), mask=mask[:, None])
+
+
+# ----------------------------------------------------------------------------------- launchers
+def _constants(fmt: RowFormat, width: int) -> dict:
+    assert width & (width - 1) == 0 and width % fmt.group == 0, (width, fmt)
+    return dict(ROW_BYTES=fmt.row_bytes(width), CODE_BYTES=fmt.code_bytes(width),
+                FP8=fmt.element is ElementFormat.FP8_E4M3, UE8M0=fmt.scale is ScaleFormat.UE8M0, WIDTH=width,
+                GROUP=fmt.group, BLOCK_ROWS=max(1, BLOCK_ELEMENTS // width))
+
+
+def read_rows(data: torch.Tensor, flat_rows: torch.Tensor, fmt: RowFormat, width: int) -> torch.Tensor:
+    """Rows ``flat_rows [M]`` of ``data`` (contiguous uint8, rows of ``fmt.row_bytes(width)``) -> bf16 ``[M, width]``."""
+    out = torch.empty(flat_rows.numel(), width, dtype=torch.bfloat16, device=data.device)
+    if out.shape[0]:
+        constants = _constants(fmt, width)
+        _read_rows_kernel[(triton.cdiv(out.shape[0], constants["BLOCK_ROWS"]),)](
+            data, flat_rows.reshape(-1), out.view(torch.int16), out.shape[0], **constants, num_warps=4)
+    return out
+
+
+def write_rows(data: torch.Tensor, flat_rows: torch.Tensor, values: torch.Tensor, fmt: RowFormat) -> None:
+    """Encode bf16 ``values [M, width]`` and store them at rows ``flat_rows [M]`` of ``data``."""
+    m, width = values.shape
+    if m:
+        values = values if values.stride(-1) == 1 else values.contiguous()
+        constants = _constants(fmt, width)
+        _write_rows_kernel[(triton.cdiv(m, constants["BLOCK_ROWS"]),)](
+            values.view(torch.int16), flat_rows.reshape(-1), data, m, values.stride(0), **constants, num_warps=4)

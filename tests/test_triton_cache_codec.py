@@ -1,0 +1,98 @@
+"""The cache-row kernels (``model/kernels/triton_cache_codec.py``) against the torch codec, byte for byte.
+
+Without a GPU they run in Triton's interpreter (``conftest.py`` sets ``TRITON_INTERPRET``) on CPU
+tensors, on the GPU on CUDA tensors. Both directions are exact arithmetic, so the check is
+equality: the bytes written are ``RowCodec.encode``'s, the values read are ``RowCodec.decode``'s
+(and so the round-trip values written), for every positive finite bf16 value as a group maximum
+(every scale each format can take), for the corner values of ``test_cache_formats.py`` (signed
+zeros, subnormals, ties, the ambiguous compressed-KV maximum) and for rows never written.
+``QuantizedRows`` takes this path on CUDA; here it is switched on by hand on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from model.cache_formats import QuantizedRows, RowCodec  # noqa: E402
+from tests.test_cache_formats import FORMAT_IDS, FORMATS, ROUND_TRIPS, SPECIAL, WIDTH, bits, every_group_maximum  # noqa: E402
+
+
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def corner_rows(fmt, seed: int) -> torch.Tensor:
+    """Round-trip rows of corner values and random values over many magnitudes."""
+    gen = torch.Generator().manual_seed(seed)
+    special = torch.tensor(SPECIAL)[torch.randint(0, len(SPECIAL), (256, WIDTH), generator=gen)]
+    scales = torch.exp2(torch.randint(-140, 100, (256, 1), generator=gen).float())
+    mixed = torch.where(torch.rand(256, WIDTH, generator=gen) < 0.5, special, torch.randn(256, WIDTH, generator=gen))
+    x = (mixed.double() * scales.double()).clamp(-3e38, 3e38).float().bfloat16()
+    x[0] = 0.0
+    x[1] = -0.0
+    x[2, :fmt.group] = 2.0 ** -6  # the ambiguous compressed-KV maximum
+    y = ROUND_TRIPS[fmt][0](x)
+    return y[torch.isfinite(y.float()).all(-1)]
+
+
+def kernel_store(fmt, values: torch.Tensor, where: torch.Tensor, rows: int) -> torch.Tensor:
+    from model.kernels.triton_cache_codec import write_rows
+
+    data = torch.zeros(rows, fmt.row_bytes(WIDTH), dtype=torch.uint8, device=device())
+    write_rows(data, where.to(device()), values.to(device()), fmt)
+    return data
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("values", ["every group maximum", "corners"])
+def test_write_and_read_are_the_codecs_byte_for_byte(fmt, values):
+    from model.kernels.triton_cache_codec import read_rows
+
+    y = ROUND_TRIPS[fmt][0](every_group_maximum(fmt)) if values == "every group maximum" else corner_rows(fmt, 1)
+    y = y[torch.isfinite(y.float()).all(-1)]
+    codec = RowCodec(fmt, WIDTH, "cpu")
+    where = torch.randperm(y.shape[0], generator=torch.Generator().manual_seed(2)) + 3  # rows 0-2 stay unwritten
+    data = kernel_store(fmt, y, where, y.shape[0] + 3)
+    assert torch.equal(data[where].cpu(), codec.encode(y))
+    back = read_rows(data, where.to(device()), fmt, WIDTH).cpu()
+    assert torch.equal(bits(back), bits(y))
+    unwritten = read_rows(data, torch.arange(3, device=device()), fmt, WIDTH).cpu()
+    assert torch.equal(bits(unwritten), bits(torch.zeros(3, WIDTH, dtype=torch.bfloat16)))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_quantized_rows_fused_path_indexes_like_the_torch_path(fmt):
+    """A [slots, ring] store read and written at broadcast (slot [T, 1], row [T, W]) index pairs."""
+    plain = QuantizedRows(RowCodec(fmt, WIDTH, "cpu"), (5, 16), "cpu")
+    fused = QuantizedRows(RowCodec(fmt, WIDTH, device()), (5, 16), device())
+    fused.fused = True  # QuantizedRows' choice on CUDA; here also in the interpreter
+    slots = torch.tensor([[3], [0], [4]])
+    rows = torch.tensor([[1, 2, 15, 0], [5, 6, 7, 8], [9, 3, 2, 11]])
+    values = corner_rows(fmt, 3)[:12].view(3, 4, WIDTH)
+    plain.write(slots, rows, values=values)
+    fused.write(slots.to(device()), rows.to(device()), values=values.to(device()))
+    assert torch.equal(fused.data.cpu(), plain.data)
+    wide = torch.arange(16).expand(3, 16)
+    got = fused.read(slots.to(device()), wide.to(device())).cpu()
+    assert got.shape == (3, 16, WIDTH)
+    assert torch.equal(bits(got), bits(plain.read(slots, wide)))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU model; on CUDA every cache takes this path")
+def test_the_model_gives_the_same_bits_through_the_cache_kernels(tiny_model, run_sequence, monkeypatch):
+    """The tiny model, prefill then decode steps, with every cache read and write through the kernels
+    (in the interpreter): the same logits, bit for bit, as through the torch codec."""
+    prompt, steps = [(7 * i + 3) % 500 for i in range(40)], [11, 12, 13, 14, 15]
+    plain = run_sequence(tiny_model, prompt, steps)
+    original = QuantizedRows.__init__
+
+    def fused_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.fused = True
+
+    monkeypatch.setattr(QuantizedRows, "__init__", fused_init)
+    fused = run_sequence(tiny_model, prompt, steps)
+    assert torch.equal(fused.prefill, plain.prefill) and torch.equal(fused.steps, plain.steps)
