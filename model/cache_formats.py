@@ -195,6 +195,7 @@ class QuantizedRows:
         (shaped as the broadcast index, as advanced indexing would)."""
         flat = None
         for dim, position in enumerate(index):
-            term = position.long() * (self.data.stride(dim) // self.codec.row_bytes)
+            rows_per_step = self.data.stride(dim) // self.codec.row_bytes
+            term = position.long() if rows_per_step == 1 else position.long() * rows_per_step
             flat = term if flat is None else flat + term
         return flat

@@ -42,12 +42,8 @@ class SharedExpert:
         return self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.w1(x).float()
-        up = self.w3(x).float()
-        if self.swiglu_limit > 0:
-            up = torch.clamp(up, min=-self.swiglu_limit, max=self.swiglu_limit)
-            gate = torch.clamp(gate, max=self.swiglu_limit)
-        return self.w2((F.silu(gate) * up).to(x.dtype))
+        kernels = self.w2.kernels  # the layer's backend (every Linear holds it)
+        return self.w2(kernels.swiglu(self.w1(x), self.w3(x), self.swiglu_limit))
 
 
 @dataclass
@@ -127,9 +123,8 @@ class MoE:
             exchange = self.dispatcher.dispatch(x, weights, slots)
             shared = self.shared(x)  # overlaps the exchange in flight
             routed = self.dispatcher.combine(exchange, self.expert_rows)
-        y = combine_routed(routed, indices)  # in logical id order, whatever the placement
-        y += shared
-        return y.to(x.dtype)
+        # in logical id order, whatever the placement, then the shared expert's output
+        return self.kernels.moe_sum(routed, indices, shared)
 
 
 def combine_routed(routed: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ def main() -> int:
 
     from model.cache_formats import COMPRESSED_KV, INDEX_KEYS, WINDOW_KV
     from model.kernels import (tile_configs, triton_bf16_mm, triton_cache_codec, triton_decode_mm, triton_moe, triton_scaled_mm,
-                               triton_fp4_round_trip, triton_index_scores, triton_mhc, triton_rms_norm, triton_rope, triton_sinkhorn,
+                               triton_fp4_round_trip, triton_index_scores, triton_mhc, triton_moe_sum, triton_rms_norm, triton_rope, triton_sinkhorn,
                                triton_sparse_attention)
 
     hopper = GPUTarget("cuda", 90, 32)
@@ -173,6 +173,16 @@ def main() -> int:
         check(f"cache write {fmt.describe()}", triton_cache_codec._write_rows_kernel,
               {"values_ptr": "*i16", "rows_ptr": "*i64", "data_ptr": "*u8", "M": "i32", "stride_v": "i32"},
               constants, wgmma=False)
+    for clamp in (True, False):
+        check(f"swiglu clamp={clamp}", triton_moe_sum._swiglu_kernel,
+              {"gate_ptr": "*bf16", "up_ptr": "*bf16", "out_ptr": "*bf16", **scalars("I stride_g stride_u stride_o"),
+               "limit": "fp32"}, {"CLAMP": clamp, "BLOCK": triton_moe_sum.BLOCK, "INTERPRETED": False},
+              options={"enable_fp_fusion": False}, wgmma=False)
+    check("moe_sum k=6", triton_moe_sum._moe_sum_kernel,
+          {"routed_ptr": "*bf16", "ids_ptr": "*i64", "shared_ptr": "*bf16", "out_ptr": "*bf16",
+           **scalars("D stride_rt stride_rk stride_it stride_st stride_ot")},
+          {"K": 6, "K_POW2": 8, "BLOCK": triton_moe_sum.BLOCK, "INTERPRETED": False},
+          options={"enable_fp_fusion": False}, wgmma=False)
     return 0
 
 

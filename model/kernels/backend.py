@@ -6,7 +6,7 @@ default on CPU, what ``parity`` uses) and ``triton`` (``triton_backend.py``: GPU
 read the storage formats directly, default on CUDA). The head is in the interface for its size
 (the largest single weight). A few elementwise chains are in it for their launch counts: each is
 many tiny torch kernels (mHC's Sinkhorn split ~135 per call, an FP4 round trip ~28, mHC's
-collapse and expand 4 and 7, RMSNorm and RoPE 6),
+collapse and expand 4 and 7, RMSNorm and RoPE 6, the MoE's SwiGLU 7 and expert sum ~12),
 which a decode step would otherwise spend its time launching. Other plain bf16/fp32 products (mHC mixes, the router, compressor and
 indexer weights) are not: both backends run them through torch (``model/gemm.py``).
 """
@@ -121,3 +121,14 @@ class KernelBackend(ABC):
         bf16 (each sequence's index keys), ``seq [T]`` (each query's row of ``keys``):
         ``sum_h weights[t, h] * relu(q[t, h] . keys[seq[t], e])`` with the reference's bf16 roundings
         (the dot product, the weighted value, the sum over heads)."""
+
+    @abstractmethod
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+        """The shared expert's clamped SwiGLU: bf16 ``gate``, ``up`` ``[N, I]`` -> bf16 ``silu(gate) * up``
+        in fp32, ``up`` clamped to ``[-limit, limit]`` and ``gate`` from above (when ``limit > 0``)."""
+
+    @abstractmethod
+    def moe_sum(self, routed: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        """A token's routed outputs ``routed [N, k, D]`` summed in fp32 in increasing expert id (``ids
+        [N, k]``), then the shared expert's ``shared [N, D]`` added -> bf16 ``[N, D]`` (the reference's
+        order, ``model.moe.combine_routed``)."""

@@ -17,6 +17,7 @@ from ..layers import rms_norm
 from ..quant import fp4_qdq, fp8_qdq
 from ..rope import RotaryTable
 from ..mhc import collapse, expand, split_sinkhorn
+from ..moe import combine_routed
 from ..sparse_attention import sparse_attention_padded
 from .backend import KernelBackend
 from .weights import ExpertWeights, QuantizedWeight
@@ -104,3 +105,15 @@ class ReferenceKernels(KernelBackend):
                      seq: torch.Tensor) -> torch.Tensor:
         per_head = torch.bmm(q, keys[seq].transpose(1, 2))  # every query its own product, as the reference
         return (per_head.relu_() * weights.unsqueeze(-1)).sum(dim=1)
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+        gate, up = gate.float(), up.float()
+        if limit > 0:
+            up = torch.clamp(up, min=-limit, max=limit)
+            gate = torch.clamp(gate, max=limit)
+        return (F.silu(gate) * up).to(torch.bfloat16)
+
+    def moe_sum(self, routed: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        y = combine_routed(routed, ids)
+        y += shared
+        return y.to(shared.dtype)

@@ -16,6 +16,7 @@ from .triton_bf16_mm import bf16_mm
 from .triton_decode_mm import MAX_TOKENS as DECODE_MAX_TOKENS
 from .triton_decode_mm import decode_mm
 from .triton_moe import fused_experts
+from .triton_moe_sum import moe_sum, swiglu
 from .triton_scaled_mm import act_quant, act_quant_bf16, scaled_mm
 from .triton_fp4_round_trip import fp4_round_trip
 from .triton_index_scores import index_scores
@@ -33,7 +34,7 @@ class TritonKernels(KernelBackend):
     split-K decode form (``triton_decode_mm``). The sparse attention is one launch per layer
     (``triton_sparse_attention``), where its torch twin takes ~120 small kernels; mHC's Sinkhorn split
     one launch (``triton_sinkhorn``) instead of ~135, and so are RMSNorm, RoPE, the FP8/FP4 round trips
-    and mHC's collapse and expand; the indexer's scores read each sequence's keys in place
+    and mHC's collapse and expand, the shared expert's SwiGLU and the MoE's expert sum; the indexer's scores read each sequence's keys in place
     (``triton_index_scores``) instead of a per-query copy."""
 
     name = "triton"
@@ -105,3 +106,9 @@ class TritonKernels(KernelBackend):
     def index_scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                      seq: torch.Tensor) -> torch.Tensor:
         return index_scores(q, weights, keys, seq)
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+        return swiglu(gate, up, limit)
+
+    def moe_sum(self, routed: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        return moe_sum(routed, ids, shared)
