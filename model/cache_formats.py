@@ -179,7 +179,8 @@ class QuantizedRows:
         from .kernels.triton_cache_codec import read_rows
 
         rows = self._flat_rows(index)
-        return read_rows(self.data, rows.reshape(-1), self.codec.fmt, self.codec.width).view(*rows.shape, -1)
+        width = self.codec.width
+        return read_rows(self.data, rows.reshape(-1), self.codec.fmt, width).view(*rows.shape, width)
 
     def write(self, *index: torch.Tensor, values: torch.Tensor) -> None:
         if not self.fused:
