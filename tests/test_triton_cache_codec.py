@@ -79,6 +79,10 @@ def test_quantized_rows_fused_path_indexes_like_the_torch_path(fmt):
     got = fused.read(slots.to(device()), wide.to(device())).cpu()
     assert got.shape == (3, 16, WIDTH)
     assert torch.equal(bits(got), bits(plain.read(slots, wide)))
+    nothing = torch.zeros(0, 1, dtype=torch.long)  # a step without entries to read or write
+    assert fused.read(nothing.to(device()), nothing.to(device())).shape == plain.read(nothing, nothing).shape
+    fused.write(nothing.to(device()), nothing.to(device()), values=torch.zeros(0, 1, WIDTH).bfloat16().to(device()))
+    assert torch.equal(fused.data.cpu(), plain.data)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU model; on CUDA every cache takes this path")
