@@ -18,10 +18,7 @@ triton = pytest.importorskip("triton")
 
 from model.cache_formats import QuantizedRows, RowCodec  # noqa: E402
 from tests.test_cache_formats import FORMAT_IDS, FORMATS, ROUND_TRIPS, SPECIAL, WIDTH, bits, every_group_maximum  # noqa: E402
-
-
-def device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+from tests.kernel_checks import device  # noqa: E402
 
 
 def corner_rows(fmt, seed: int) -> torch.Tensor:

@@ -27,12 +27,9 @@ import torch
 triton = pytest.importorskip("triton")
 
 from model.kernels.reference import ReferenceKernels  # noqa: E402
+from tests.kernel_checks import device  # noqa: E402
 
 TWIN = ReferenceKernels(batch_invariant=False)
-
-
-def device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def random_inputs(t: int, h: int, d: int, e: int, sequences: int, seed: int):

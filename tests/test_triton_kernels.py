@@ -30,6 +30,7 @@ from model.config import WeightFormat  # noqa: E402
 from model.kernels import ExpertWeights, QuantizedWeight  # noqa: E402
 from model.kernels.reference import ReferenceKernels  # noqa: E402
 from model.quant import fp8_qdq, fp8_quantize, pack_e2m1  # noqa: E402
+from tests.kernel_checks import device  # noqa: E402
 
 
 def random_weight(fmt: WeightFormat, n: int, k: int, gen: torch.Generator, experts: int | None = None):
@@ -58,10 +59,6 @@ def assert_experts_close_to_reference(got: torch.Tensor, ref: torch.Tensor) -> N
     assert_close_to_reference(got, ref, noise=MOE_NOISE)
     ulp_exceeded = (got.float() - ref.float()).abs() > ref.float().abs() * 2.0 ** -7
     assert ulp_exceeded.float().mean() <= 0.01, f"{ulp_exceeded.float().mean():.2%} of elements beyond one ulp"
-
-
-def device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_act_quant_is_bit_exact():

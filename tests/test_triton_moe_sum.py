@@ -20,12 +20,9 @@ import torch
 triton = pytest.importorskip("triton")
 
 from model.kernels.reference import ReferenceKernels  # noqa: E402
+from tests.kernel_checks import device, one_bf16_ulp_mismatch  # noqa: E402
 
 TWIN = ReferenceKernels(batch_invariant=False)
-
-
-def device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def on_device(*xs):
@@ -65,12 +62,7 @@ def test_moe_sum_order_matters_and_is_the_expert_order():
 
 
 def swiglu_mismatch(got, ref) -> str | None:
-    got, ref = got.float(), ref.float()
-    worst = ((got - ref).abs() / (ref.abs() * 2.0 ** -7 + 1e-30)).max().item()
-    if worst > 1.0:
-        return f"{worst:.3g} bf16 ulps apart"
-    equal = (got == ref).float().mean().item()
-    return None if equal >= 0.99 else f"only {equal:.2%} bit-equal"
+    return one_bf16_ulp_mismatch(got, ref, min_bit_equal=0.99)
 
 
 @pytest.mark.parametrize("n,i,limit", [(1, 2304, 10.0), (9, 300, 10.0), (64, 128, 0.0)])

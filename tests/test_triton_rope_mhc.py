@@ -22,19 +22,11 @@ triton = pytest.importorskip("triton")
 from model.mhc import collapse as collapse_twin  # noqa: E402
 from model.mhc import expand as expand_twin  # noqa: E402
 from model.rope import RotaryTable, rope_frequencies  # noqa: E402
-
-
-def device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+from tests.kernel_checks import device, one_bf16_ulp_mismatch  # noqa: E402
 
 
 def mismatch(got: torch.Tensor, ref: torch.Tensor) -> str | None:
-    got, ref = got.float(), ref.float()
-    worst = ((got - ref).abs() / (ref.abs() * 2.0 ** -7 + 1e-30)).max().item()
-    if worst > 1.0:
-        return f"{worst:.3g} bf16 ulps apart"
-    equal = (got == ref).float().mean().item()
-    return None if equal >= 0.99 else f"only {equal:.2%} bit-equal"
+    return one_bf16_ulp_mismatch(got, ref, min_bit_equal=0.99)
 
 
 def rotary_table(rope_dims: int) -> RotaryTable:

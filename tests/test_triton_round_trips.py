@@ -23,10 +23,7 @@ triton = pytest.importorskip("triton")
 
 from model.layers import rms_norm as rms_norm_twin  # noqa: E402
 from model.quant import fp4_qdq  # noqa: E402
-
-
-def device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+from tests.kernel_checks import device, one_bf16_ulp_mismatch  # noqa: E402
 
 
 def fp4_kernel(x, block, e4m3_scale):
@@ -74,15 +71,7 @@ def rms_kernel(x, weight, eps):
 
 
 def rms_mismatch(got, ref) -> str | None:
-    got, ref = got.float(), ref.float()
-    ulp = ref.abs() * 2.0 ** -7 + 1e-30  # one bf16 ulp is at most 2**-7 of the value
-    worst = ((got - ref).abs() / ulp).max().item()
-    if worst > 1.0:
-        return f"{worst:.3g} bf16 ulps apart"
-    equal = (got == ref).float().mean().item()
-    if equal < 0.95:
-        return f"only {equal:.1%} bit-equal"
-    return None
+    return one_bf16_ulp_mismatch(got, ref, min_bit_equal=0.95)
 
 
 def rms_inputs(rows: int, d: int, seed: int, dtype=torch.bfloat16):

@@ -21,13 +21,10 @@ import torch
 triton = pytest.importorskip("triton")
 
 from model.mhc import split_sinkhorn as twin  # noqa: E402
+from tests.kernel_checks import device  # noqa: E402
 
 HC, ITERS, EPS = 4, 20, 1e-6
 RELATIVE = 2.0 ** -17
-
-
-def device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def random_inputs(t: int, seed: int, on: str = "cpu"):

@@ -32,13 +32,9 @@ triton = pytest.importorskip("triton")
 
 from model.kernels.reference import ReferenceKernels  # noqa: E402
 from model.sparse_attention import sparse_attention_padded  # noqa: E402
+from tests.kernel_checks import device  # noqa: E402
 
 MIN_BIT_EQUAL = 0.99
-
-
-def device() -> str:
-    """Where the kernel runs: the GPU when there is one, else the interpreter on the CPU."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def kernel_output(inputs) -> torch.Tensor:

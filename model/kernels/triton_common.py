@@ -1,4 +1,4 @@
-"""Helpers shared by the Triton kernels: exact FP8 rounding and bf16 rounding inside a kernel.
+"""Helpers shared by the Triton kernels: exact FP8 and bf16 rounding, bf16 products and fp32 exp.
 
 Under Triton's interpreter (the CPU tests) two conversions differ from the GPU's (triton 3.9):
 16-bit dot operands are multiplied wrongly and fp32 -> bf16 truncates. ``INTERPRETED`` lets the
@@ -12,6 +12,7 @@ import os
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -30,6 +31,25 @@ def round_to_e4m3(q):
     subnormal = (q + 24576.0) - 24576.0  # 24576 = 1.5 * 2**14: its fp32 ulp is 2**-9
     subnormal = (subnormal.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(q) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def dot_bf16(a, b, INTERPRETED: tl.constexpr):
+    """bf16 ``a @ b`` with fp32 accumulation."""
+    if INTERPRETED:  # the interpreter multiplies 16-bit dot operands wrongly; fp32 gives the same exact products
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def exp_f32(x, INTERPRETED: tl.constexpr):
+    """fp32 exp: CUDA's ``expf`` on the GPU, what torch runs (tl.exp would be ``ex2.approx``); numpy's
+    in the interpreter."""
+    if INTERPRETED:
+        return tl.exp(x)
+    else:
+        return libdevice.exp(x)
 
 
 @triton.jit

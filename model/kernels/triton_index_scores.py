@@ -30,18 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRETED, to_bf16
+from .triton_common import INTERPRETED, dot_bf16, to_bf16
 
 BLOCK_E = 64  # keys per program
-
-
-@triton.jit
-def _dot(a, b, INTERPRETED: tl.constexpr):
-    """bf16 ``a @ b`` with fp32 accumulation."""
-    if INTERPRETED:  # the interpreter multiplies 16-bit dot operands wrongly; fp32 gives the same exact products
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit
@@ -58,7 +49,7 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, seq_ptr, out_ptr, E, stride_qt, st
     row = tl.load(seq_ptr + t)
     keys_t = tl.load(k_ptr + row * stride_kb + entries[None, :] * stride_ke + dims[:, None],
                      mask=e_mask[None, :], other=0.0)  # [D, BLOCK_E]
-    per_head = to_bf16(_dot(q, keys_t, INTERPRETED), INTERPRETED).to(tl.float32)  # [H, BLOCK_E]
+    per_head = to_bf16(dot_bf16(q, keys_t, INTERPRETED), INTERPRETED).to(tl.float32)  # [H, BLOCK_E]
     weighted = to_bf16(tl.maximum(per_head, 0.0) * weights[:, None], INTERPRETED).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + entries, to_bf16(tl.sum(weighted, axis=0), INTERPRETED), mask=e_mask)
 

@@ -20,20 +20,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from .triton_common import INTERPRETED, to_bf16
+from .triton_common import INTERPRETED, exp_f32, to_bf16
 
 BLOCK = 1024  # features per program
-
-
-@triton.jit
-def _exp(x, INTERPRETED: tl.constexpr):
-    """fp32 exp: CUDA's ``expf`` on the GPU (tl.exp would be ``ex2.approx``); numpy's in the interpreter."""
-    if INTERPRETED:
-        return tl.exp(x)
-    else:
-        return libdevice.exp(x)
 
 
 @triton.jit
@@ -47,7 +37,7 @@ def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, I, stride_g, stride_u, stride_o, l
     if CLAMP:
         up = tl.minimum(tl.maximum(up, -limit), limit)
         gate = tl.minimum(gate, limit)
-    silu = tl.div_rn(gate, 1.0 + _exp(gate * -1.0, INTERPRETED))
+    silu = tl.div_rn(gate, 1.0 + exp_f32(gate * -1.0, INTERPRETED))
     tl.store(out_ptr + row * stride_o + cols, to_bf16(silu * up, INTERPRETED), mask=mask)
 
 

@@ -27,26 +27,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from .triton_common import INTERPRETED
+from .triton_common import INTERPRETED, exp_f32
 
 BLOCK_T = 64  # tokens per program
 NUM_WARPS = 4
 
 
 @triton.jit
-def _exp(x, INTERPRETED: tl.constexpr):
-    """fp32 exp: CUDA's ``expf`` on the GPU (tl.exp would be ``ex2.approx``); numpy's in the interpreter."""
-    if INTERPRETED:
-        return tl.exp(x)
-    else:
-        return libdevice.exp(x)
-
-
-@triton.jit
 def _sigmoid(x, INTERPRETED: tl.constexpr):
-    return tl.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + _exp(-x, INTERPRETED))
+    return tl.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + exp_f32(-x, INTERPRETED))
 
 
 @triton.jit
@@ -66,7 +56,7 @@ def _sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, 
     square = j[:, None] * HC + j[None, :]  # [HC, HC]: comb[j, k] at 2 * HC + j * HC + k
     comb = tl.load(row[:, None, None] + 2 * HC + square[None, :, :], mask=t_mask[:, None, None], other=0.0)
     comb = comb * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + square)[None, :, :]
-    comb = _exp(comb - tl.max(comb, axis=2)[:, :, None], INTERPRETED)  # softmax over k ...
+    comb = exp_f32(comb - tl.max(comb, axis=2)[:, :, None], INTERPRETED)  # softmax over k ...
     comb = tl.div_rn(comb, tl.sum(comb, axis=2)[:, :, None]) + eps  # ... plus eps
     comb = tl.div_rn(comb, tl.sum(comb, axis=1)[:, None, :] + eps)  # the column normalisation first
     for _ in range(iters - 1):

@@ -47,33 +47,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from .triton_common import INTERPRETED, to_bf16
+from .triton_common import INTERPRETED, dot_bf16, exp_f32, to_bf16
 
 BLOCK_L = 64  # listed entries per online-softmax step: the twin's block
 BLOCK_H = 16  # heads per program: the narrow side of the products (tl.dot's minimum)
 NUM_WARPS = 4
 NUM_STAGES = 3  # KV blocks in flight: 3 x 64 KB of shared memory at D = 512 (210 KB with q and p)
 EMPTY_MAX = -1e30  # the twin's start of the running max: finite, so exp(old - new) is 0 on the first block
-
-
-@triton.jit
-def _dot(a, b, INTERPRETED: tl.constexpr):
-    """bf16 ``a @ b`` with fp32 accumulation."""
-    if INTERPRETED:  # the interpreter multiplies 16-bit dot operands wrongly; fp32 gives the same exact products
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b)
-
-
-@triton.jit
-def _exp(x, INTERPRETED: tl.constexpr):
-    """fp32 exp: CUDA's ``expf`` on the GPU (tl.exp would be ``ex2.approx``); numpy's in the interpreter."""
-    if INTERPRETED:
-        return tl.exp(x)
-    else:
-        return libdevice.exp(x)
 
 
 @triton.jit
@@ -108,18 +89,18 @@ def _sparse_attention_kernel(q_ptr, kv_ptr, valid_ptr, sink_ptr, out_ptr, scale,
         ok = tl.load(valid_ptr + cols, mask=cols < L, other=0) != 0
         kv = tl.load(kv_ptr + cols[:, None] * stride_kvl + offs_d[None, :],
                      mask=ok[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_L, BLOCK_D]; holes: zeros, not read
-        scores = tl.where(ok[:, None], _dot(kv, q_t, INTERPRETED), -float("inf")) * scale  # [BLOCK_L, BLOCK_H]
+        scores = tl.where(ok[:, None], dot_bf16(kv, q_t, INTERPRETED), -float("inf")) * scale  # [BLOCK_L, BLOCK_H]
         block_max = tl.maximum(running_max, tl.max(scores, axis=0))
-        rescale = _exp(running_max - block_max, INTERPRETED)
-        p = _exp(scores - block_max[None, :], INTERPRETED)
+        rescale = exp_f32(running_max - block_max, INTERPRETED)
+        p = exp_f32(scores - block_max[None, :], INTERPRETED)
         sum_exp = sum_exp * rescale + tl.sum(p, axis=0)
-        acc = acc * rescale[None, :] + _dot(tl.trans(kv), to_bf16(p, INTERPRETED), INTERPRETED)
+        acc = acc * rescale[None, :] + dot_bf16(tl.trans(kv), to_bf16(p, INTERPRETED), INTERPRETED)
         running_max = block_max
     sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0)
     # no valid entry (the running max still at its start): the twin's 0 / inf; here 0 / 1, exact zeros
     # as well, without overflowing exp(sink + 1e30)
     seen = running_max > EMPTY_MAX
-    sum_exp = sum_exp + _exp(tl.where(seen, sink - running_max, 0.0), INTERPRETED)
+    sum_exp = sum_exp + exp_f32(tl.where(seen, sink - running_max, 0.0), INTERPRETED)
     out = tl.div_rn(acc, sum_exp[None, :])
     tl.store(out_ptr + row * stride_ot + offs_h[None, :] * stride_oh + offs_d[:, None], to_bf16(out, INTERPRETED),
              mask=d_mask[:, None] & h_mask[None, :])
