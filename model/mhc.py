@@ -10,9 +10,9 @@ All coefficient arithmetic is fp32, in the official kernel's operation order.
 
 from __future__ import annotations
 
-import torch
-
 from typing import TYPE_CHECKING
+
+import torch
 
 from .gemm import dense_linear
 

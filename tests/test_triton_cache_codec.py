@@ -17,7 +17,8 @@ import torch
 triton = pytest.importorskip("triton")
 
 from model.cache_formats import QuantizedRows, RowCodec  # noqa: E402
-from tests.test_cache_formats import FORMAT_IDS, FORMATS, ROUND_TRIPS, SPECIAL, WIDTH, bits, every_group_maximum  # noqa: E402
+from tests.test_cache_formats import (FORMAT_IDS, FORMATS, ROUND_TRIPS, SPECIAL, WIDTH, bits,  # noqa: E402
+                                      every_group_maximum)
 from tests.kernel_checks import device  # noqa: E402
 
 

@@ -45,9 +45,9 @@ def main() -> int:
     from triton.compiler import ASTSource
 
     from model.cache_formats import COMPRESSED_KV, INDEX_KEYS, WINDOW_KV
-    from model.kernels import (tile_configs, triton_bf16_mm, triton_cache_codec, triton_decode_mm, triton_moe, triton_scaled_mm,
-                               triton_fp4_round_trip, triton_index_scores, triton_mhc, triton_moe_sum, triton_rms_norm, triton_rope, triton_sinkhorn,
-                               triton_sparse_attention)
+    from model.kernels import (tile_configs, triton_bf16_mm, triton_cache_codec, triton_decode_mm,
+                               triton_fp4_round_trip, triton_index_scores, triton_mhc, triton_moe, triton_moe_sum,
+                               triton_rms_norm, triton_rope, triton_scaled_mm, triton_sinkhorn, triton_sparse_attention)
 
     hopper = GPUTarget("cuda", 90, 32)
 

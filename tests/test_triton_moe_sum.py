@@ -31,7 +31,8 @@ def on_device(*xs):
 
 def routed_inputs(n: int, k: int, d: int, experts: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
-    routed = (torch.randn(n, k, d, generator=gen) * torch.exp2(torch.randint(-8, 8, (n, k, 1), generator=gen))).bfloat16()
+    magnitudes = torch.exp2(torch.randint(-8, 8, (n, k, 1), generator=gen).float())
+    routed = (torch.randn(n, k, d, generator=gen) * magnitudes).bfloat16()
     ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(n)])  # distinct per token
     shared = torch.randn(n, d, generator=gen).bfloat16()
     return routed, ids, shared

@@ -4,11 +4,13 @@ The model's modules call these methods and never look at which backend they hold
 exist: ``reference`` (``reference.py``: the arithmetic proven equal to DeepSeek's reference,
 default on CPU, what ``parity`` uses) and ``triton`` (``triton_backend.py``: GPU kernels that
 read the storage formats directly, default on CUDA). The head is in the interface for its size
-(the largest single weight). A few elementwise chains are in it for their launch counts: each is
-many tiny torch kernels (mHC's Sinkhorn split ~135 per call, an FP4 round trip ~28, mHC's
-collapse and expand 4 and 7, RMSNorm and RoPE 6, the MoE's SwiGLU 7 and expert sum ~12),
-which a decode step would otherwise spend its time launching. Other plain bf16/fp32 products (mHC mixes, the router, compressor and
-indexer weights) are not: both backends run them through torch (``model/gemm.py``).
+(the largest single weight); the sparse attention for its launches (~120 torch kernels per layer)
+and the indexer's scores for their intermediate (a per-query copy of the keys). A few elementwise
+chains are in it for their launch counts: each is many tiny torch kernels (mHC's Sinkhorn split
+~135 per call, an FP4 round trip ~28, mHC's collapse and expand 4 and 7, RMSNorm and RoPE 6, the
+MoE's SwiGLU 7 and expert sum ~12), which a decode step would otherwise spend its time launching.
+Other plain bf16/fp32 products (mHC mixes, the router, compressor and indexer weights) are not: both
+backends run them through torch (``model/gemm.py``).
 """
 
 from __future__ import annotations
@@ -96,7 +98,8 @@ class KernelBackend(ABC):
         with UE8M0 scales (index queries and keys) or of 16 with E4M3 scales (compressed KV)."""
 
     @abstractmethod
-    def rotate_(self, x: torch.Tensor, positions: torch.Tensor, rope: "RotaryTable", inverse: bool = False) -> torch.Tensor:
+    def rotate_(self, x: torch.Tensor, positions: torch.Tensor, rope: "RotaryTable",
+                inverse: bool = False) -> torch.Tensor:
         """RoPE in place: the bf16 view ``x [T, R]`` or ``[T, H, R]`` (pairs of its last dim as complex
         numbers) times ``rope``'s rotation at ``positions [T]`` (conjugated with ``inverse``), in fp32
         (``model.rope.RotaryTable.rotate_``); returns ``x``."""

@@ -91,7 +91,8 @@ class ReferenceKernels(KernelBackend):
     def fp4_round_trip(self, x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
         return fp4_qdq(x, block, e4m3_scale)
 
-    def rotate_(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable, inverse: bool = False) -> torch.Tensor:
+    def rotate_(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable,
+                inverse: bool = False) -> torch.Tensor:
         return rope.rotate_(x, positions, inverse)
 
     def hc_collapse(self, stream: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

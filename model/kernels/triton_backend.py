@@ -33,9 +33,10 @@ class TritonKernels(KernelBackend):
     ``triton_bf16_mm``); otherwise products of at most ``decode_mm.MAX_TOKENS`` rows take the faster
     split-K decode form (``triton_decode_mm``). The sparse attention is one launch per layer
     (``triton_sparse_attention``), where its torch twin takes ~120 small kernels; mHC's Sinkhorn split
-    one launch (``triton_sinkhorn``) instead of ~135, and so are RMSNorm, RoPE, the FP8/FP4 round trips
-    and mHC's collapse and expand, the shared expert's SwiGLU and the MoE's expert sum; the indexer's scores read each sequence's keys in place
-    (``triton_index_scores``) instead of a per-query copy."""
+    one launch (``triton_sinkhorn``) instead of ~135, and so are RMSNorm, RoPE, the FP8/FP4 round
+    trips, mHC's collapse and expand, the shared expert's SwiGLU and the MoE's expert sum; the
+    indexer's scores read each sequence's keys in place (``triton_index_scores``) instead of a
+    per-query copy."""
 
     name = "triton"
 
@@ -93,7 +94,8 @@ class TritonKernels(KernelBackend):
     def fp4_round_trip(self, x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
         return fp4_round_trip(x, block, e4m3_scale)
 
-    def rotate_(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable, inverse: bool = False) -> torch.Tensor:
+    def rotate_(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable,
+                inverse: bool = False) -> torch.Tensor:
         return rotate_(x, positions, rope.table, inverse)
 
     def hc_collapse(self, stream: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

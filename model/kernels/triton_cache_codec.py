@@ -171,7 +171,8 @@ def _constants(fmt: RowFormat, width: int) -> dict:
 
 
 def read_rows(data: torch.Tensor, flat_rows: torch.Tensor, fmt: RowFormat, width: int) -> torch.Tensor:
-    """Rows ``flat_rows [M]`` of ``data`` (contiguous uint8, rows of ``fmt.row_bytes(width)``) -> bf16 ``[M, width]``."""
+    """Rows ``flat_rows [M]`` of ``data`` (contiguous uint8, rows of ``fmt.row_bytes(width)``) -> bf16
+    ``[M, width]``."""
     out = torch.empty(flat_rows.numel(), width, dtype=torch.bfloat16, device=data.device)
     if out.shape[0]:
         constants = _constants(fmt, width)

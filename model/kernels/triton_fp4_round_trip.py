@@ -15,8 +15,9 @@ bf16, so the kernel equals the twin bit for bit on any device.
 Why a kernel: the twin is ~28 torch kernels per call (the group max, the scale from the bits, seven
 midpoint comparisons, the value table), three calls per compressed layer in a decode step.
 
-Layout: ``x`` rows of ``K`` contiguous values (read as their int16 bits) (``K`` a multiple of ``block``); one program rounds
-``BLOCK_ROWS`` rows. Rows are independent: nothing depends on the batch.
+Layout: ``x`` rows of ``K`` contiguous values, read as their int16 bits (``K`` a multiple of
+``block``); one program rounds ``BLOCK_ROWS`` rows. Rows are independent: nothing depends on the
+batch.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def fp4_round_trip(x: torch.Tensor, block: int, e4m3_scale: bool = False) -> tor
         block_k = max(block, triton.next_power_of_2(k))
         block_rows = max(1, BLOCK_ELEMENTS // block_k)
         _fp4_round_trip_kernel[(triton.cdiv(rows.shape[0], block_rows),)](
-            rows.view(torch.int16), out, rows.shape[0], k, rows.stride(0), out.stride(0), GROUP=block, E4M3_SCALE=e4m3_scale,
+            rows.view(torch.int16), out, rows.shape[0], k, rows.stride(0), out.stride(0), GROUP=block,
+            E4M3_SCALE=e4m3_scale,
             BLOCK_ROWS=block_rows, BLOCK_K=block_k, num_warps=4)
     return out.view(x.shape)
