@@ -34,7 +34,6 @@ from ..cache_formats import ElementFormat, RowFormat, ScaleFormat
 from .triton_common import round_to_e4m3
 
 BLOCK_ELEMENTS = 4096  # values per program
-SIGN = tl.constexpr(-0x80000000)
 FP8_FLOOR = tl.constexpr(1e-4)  # the FP8 scale's floor on the group maximum (quant.fp8_scale)
 FP8_MAX_INV = tl.constexpr(1.0 / 448.0)
 FP4_POW2_FLOOR = tl.constexpr(6 * 2.0 ** -126)
