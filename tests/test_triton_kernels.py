@@ -76,6 +76,19 @@ def test_act_quant_is_bit_exact():
     assert torch.equal((q.float() * scales.repeat_interleave(32, 1)).bfloat16().cpu(), fp8_qdq(x, 32))
 
 
+def test_fp8_round_trip_keeps_the_sign_of_zero():
+    """``act_quant_bf16`` (the window KV's FP8 round trip) bit for bit, -0.0 included: -0.0 itself and
+    tiny negatives in a group with a large maximum, which round to -0.0 as the reference's cast does."""
+    from model.kernels.triton_scaled_mm import act_quant_bf16
+
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(2))
+    x[0, :32] = -0.0
+    x[1, :31] = -1e-6  # 448 * 2**-9 below the group maximum: rounds to -0.0
+    x[1, 31] = 100.0
+    x = x.bfloat16()
+    assert torch.equal(act_quant_bf16(x.to(device())).cpu().view(torch.int16), fp8_qdq(x, 32).view(torch.int16))
+
+
 @pytest.mark.parametrize("fmt", [WeightFormat.FP8, WeightFormat.FP4])
 @pytest.mark.parametrize("m", [1, 7, 70])
 def test_block_scaled_gemm_matches_reference(fmt, m):
