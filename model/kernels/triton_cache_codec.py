@@ -31,14 +31,11 @@ import triton
 import triton.language as tl
 
 from ..cache_formats import ElementFormat, RowFormat, ScaleFormat
-from .triton_common import round_to_e4m3
+from .triton_common import bf16_bits_to_f32, e2m1_code, e2m1_value, fp4_scale, pow2_scale, round_to_e4m3
 
 BLOCK_ELEMENTS = 4096  # values per program
 FP8_FLOOR = tl.constexpr(1e-4)  # the FP8 scale's floor on the group maximum (quant.fp8_scale)
 FP8_MAX_INV = tl.constexpr(1.0 / 448.0)
-FP4_POW2_FLOOR = tl.constexpr(6 * 2.0 ** -126)
-FP4_MAX_INV = tl.constexpr(1.0 / 6.0)
-FP4_E4M3_FLOOR = tl.constexpr(6 * 2.0 ** -9)
 AMBIGUOUS_AMAX = tl.constexpr(2.0 ** -6)  # cache_formats._AMBIGUOUS_E4M3_AMAX
 AMBIGUOUS_SCALE = tl.constexpr(2.0 ** -8)
 
@@ -53,14 +50,6 @@ def _e4m3_value(byte):
     magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2**-9
     magnitude = tl.where((exponent == 15) & (mantissa == 7), float("nan"), magnitude)
     return (magnitude.to(tl.int32, bitcast=True) | ((byte >> 7) << 31)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e2m1_value(code):
-    """4-bit e2m1 code (int32; bit 3 the sign) -> fp32 value."""
-    c = code & 7
-    magnitude = tl.where(c < 4, c.to(tl.float32) * 0.5, tl.where(c == 7, 6.0, (c - 2).to(tl.float32)))
-    return (magnitude.to(tl.int32, bitcast=True) | ((code >> 3) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -90,7 +79,7 @@ def _read_rows_kernel(data_ptr, rows_ptr, out_ptr, M, ROW_BYTES: tl.constexpr, C
         value = _e4m3_value(tl.load(source + cols, mask=mask[:, None], other=0).to(tl.int32))
     else:
         packed = tl.load(source + cols // 2, mask=mask[:, None], other=0).to(tl.int32)
-        value = _e2m1_value(tl.where(cols % 2 == 0, packed & 15, packed >> 4))  # element 2k: low nibble
+        value = e2m1_value(tl.where(cols % 2 == 0, packed & 15, packed >> 4))  # element 2k: low nibble
     scale_byte = tl.load(source + CODE_BYTES + cols // GROUP, mask=mask[:, None], other=0).to(tl.int32)
     scale = _ue8m0_value(scale_byte) if UE8M0 else _e4m3_value(scale_byte)
     out = _bf16_bits(value * scale)  # exact but where the product leaves bf16's range
@@ -98,14 +87,6 @@ def _read_rows_kernel(data_ptr, rows_ptr, out_ptr, M, ROW_BYTES: tl.constexpr, C
 
 
 # ----------------------------------------------------------------------------------- values -> bytes
-@triton.jit
-def _pow2_scale(amax, floor, max_inv):
-    """2**ceil(log2(max(amax, floor) * max_inv)), read off the fp32 bits (quant.pow2_scale)."""
-    bits = (tl.maximum(amax, floor) * max_inv).to(tl.int32, bitcast=True)
-    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    return (exponent << 23).to(tl.float32, bitcast=True)
-
-
 @triton.jit
 def _e4m3_byte(q):
     """An fp32 e4m3 value (finite, |q| <= 448; -0.0 kept) -> its e4m3fn byte (int32)."""
@@ -117,39 +98,29 @@ def _e4m3_byte(q):
 
 
 @triton.jit
-def _e2m1_code(v):
-    """fp32 in [-6, 6] -> 4-bit e2m1 code (int32), nearest magnitude, ties to the even code."""
-    m = tl.abs(v)
-    code = ((m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32)
-            + (m >= 1.75).to(tl.int32) + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32) + (m > 5.0).to(tl.int32))
-    return code | (((v.to(tl.int32, bitcast=True) >> 31) & 1) << 3)
-
-
-@triton.jit
 def _write_rows_kernel(values_ptr, rows_ptr, data_ptr, M, stride_v, ROW_BYTES: tl.constexpr,
                        CODE_BYTES: tl.constexpr, FP8: tl.constexpr, UE8M0: tl.constexpr, WIDTH: tl.constexpr,
                        GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     mask = rows < M
     cols = tl.arange(0, WIDTH)
-    raw = tl.load(values_ptr + rows.to(tl.int64)[:, None] * stride_v + cols[None, :], mask=mask[:, None], other=0)
-    x = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)  # bf16 bits -> fp32, exact
+    x = bf16_bits_to_f32(tl.load(values_ptr + rows.to(tl.int64)[:, None] * stride_v + cols[None, :],
+                                 mask=mask[:, None], other=0))
     groups = tl.reshape(x, (BLOCK_ROWS, WIDTH // GROUP, GROUP))
     amax = tl.max(tl.abs(groups), axis=2)
     if FP8:
-        scale = _pow2_scale(amax, FP8_FLOOR, FP8_MAX_INV)
+        scale = pow2_scale(amax, FP8_FLOOR, FP8_MAX_INV)
     elif UE8M0:
-        scale = _pow2_scale(amax, FP4_POW2_FLOOR, FP4_MAX_INV)
+        scale = fp4_scale(amax, False)
     else:
-        scale = round_to_e4m3(tl.minimum(tl.div_rn(tl.maximum(amax, FP4_E4M3_FLOOR), 6.0), 448.0))
-        scale = tl.where(amax == AMBIGUOUS_AMAX, AMBIGUOUS_SCALE, scale)
+        scale = tl.where(amax == AMBIGUOUS_AMAX, AMBIGUOUS_SCALE, fp4_scale(amax, True))
     scaled = tl.div_rn(groups, scale[:, :, None])
     target = data_ptr + tl.load(rows_ptr + rows, mask=mask, other=0)[:, None] * ROW_BYTES  # [R, 1]
     if FP8:
         codes = _e4m3_byte(round_to_e4m3(tl.minimum(tl.maximum(scaled, -448.0), 448.0)))
         tl.store(target + cols[None, :], tl.reshape(codes, (BLOCK_ROWS, WIDTH)).to(tl.uint8), mask=mask[:, None])
     else:
-        codes = tl.reshape(_e2m1_code(tl.minimum(tl.maximum(scaled, -6.0), 6.0)), (BLOCK_ROWS, WIDTH // 2, 2))
+        codes = tl.reshape(e2m1_code(tl.minimum(tl.maximum(scaled, -6.0), 6.0)), (BLOCK_ROWS, WIDTH // 2, 2))
         low, high = tl.split(codes)
         pairs = tl.arange(0, WIDTH // 2)
         tl.store(target + pairs[None, :], (low | (high << 4)).to(tl.uint8), mask=mask[:, None])

@@ -1,4 +1,5 @@
-"""Helpers shared by the Triton kernels: exact FP8 and bf16 rounding, bf16 products and fp32 exp.
+"""Helpers shared by the Triton kernels: exact FP8/FP4 rounding, codes and scales, exact bf16
+conversions, bf16 products and fp32 exp.
 
 Under Triton's interpreter (the CPU tests) two conversions differ from the GPU's (triton 3.9):
 16-bit dot operands are multiplied wrongly and fp32 -> bf16 truncates. ``INTERPRETED`` lets the
@@ -15,6 +16,9 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+FP4_MAX_INV = tl.constexpr(1.0 / 6.0)  # the kernels multiply by this fp32 constant (quant._FP4_MAX_INV)
+FP4_POW2_FLOOR = tl.constexpr(6 * 2.0 ** -126)  # the floors on a group maximum (quant.fp4_scale)
+FP4_E4M3_FLOOR = tl.constexpr(6 * 2.0 ** -9)
 
 
 @triton.jit
@@ -77,3 +81,47 @@ def quantize_groups_of_32(x, ROWS: tl.constexpr, COLS: tl.constexpr):
     inverse = ((254 - exponent) << 23).to(tl.float32, bitcast=True)  # 1 / scale, exact
     q = round_to_e4m3(tl.minimum(tl.maximum(g * inverse[:, :, None], -448.0), 448.0))
     return tl.reshape(q, (ROWS, COLS)), scale
+
+
+@triton.jit
+def bf16_bits_to_f32(bits):
+    """The int16 bits of bf16 values -> fp32, exact for every value (the interpreter's float cast
+    mangles bf16 subnormals)."""
+    return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pow2_scale(amax, floor, max_inv):
+    """2**ceil(log2(max(amax, floor) * max_inv)), read off the fp32 bits (``quant.pow2_scale``)."""
+    bits = (tl.maximum(amax, floor) * max_inv).to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # ceil(log2) + 127
+    return (exponent << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp4_scale(amax, E4M3_SCALE: tl.constexpr):
+    """The scale of an FP4 group with largest magnitude ``amax`` (``quant.fp4_scale``): the E4M3 value
+    of ``max(amax, 6 * 2**-9) / 6``, or a power of two (UE8M0)."""
+    if E4M3_SCALE:
+        return round_to_e4m3(tl.minimum(tl.div_rn(tl.maximum(amax, FP4_E4M3_FLOOR), 6.0), 448.0))
+    else:
+        return pow2_scale(amax, FP4_POW2_FLOOR, FP4_MAX_INV)
+
+
+@triton.jit
+def e2m1_code(v):
+    """fp32 in [-6, 6] -> 4-bit e2m1 code (int32; bit 3 the sign, so -0.0 is code 8): the nearest
+    magnitude, at a midpoint the even code (the upper neighbour only at 0.75, 1.75 and 3.5)."""
+    m = tl.abs(v)
+    code = ((m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32)
+            + (m >= 1.75).to(tl.int32) + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32) + (m > 5.0).to(tl.int32))
+    return code | (((v.to(tl.int32, bitcast=True) >> 31) & 1) << 3)
+
+
+@triton.jit
+def e2m1_value(code):
+    """4-bit e2m1 code (int32; bit 3 the sign) -> fp32 value, the sign set on the bits (the compiler
+    may drop the sign of a zero in a float negation or select)."""
+    c = code & 7
+    magnitude = tl.where(c < 4, c.to(tl.float32) * 0.5, tl.where(c == 7, 6.0, (c - 2).to(tl.float32)))
+    return (magnitude.to(tl.int32, bitcast=True) | ((code >> 3) << 31)).to(tl.float32, bitcast=True)

@@ -26,25 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import round_to_e4m3
+from .triton_common import bf16_bits_to_f32, e2m1_code, e2m1_value, fp4_scale
 
-FP4_MAX_INV = tl.constexpr(1.0 / 6.0)  # the kernels multiply by this fp32 constant (as quant._FP4_MAX_INV)
-MIN_POW2_AMAX = tl.constexpr(6 * 2.0 ** -126)
-MIN_E4M3_AMAX = tl.constexpr(6 * 2.0 ** -9)
 BLOCK_ELEMENTS = 4096  # values per program
-
-
-@triton.jit
-def _e2m1_magnitude(v):
-    """|v| in [0, 6] -> the nearest e2m1 magnitude; at a midpoint the even code (the upper neighbour
-    only at 0.75, 1.75 and 3.5)."""
-    r = tl.where(v > 0.25, 0.5, 0.0)
-    r = tl.where(v >= 0.75, 1.0, r)
-    r = tl.where(v > 1.25, 1.5, r)
-    r = tl.where(v >= 1.75, 2.0, r)
-    r = tl.where(v > 2.5, 3.0, r)
-    r = tl.where(v >= 3.5, 4.0, r)
-    return tl.where(v > 5.0, 6.0, r)
 
 
 @triton.jit
@@ -54,23 +38,11 @@ def _fp4_round_trip_kernel(x_ptr, out_ptr, R, K, stride_x, stride_o, GROUP: tl.c
     cols = tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < R) & (cols[None, :] < K)
     rows64 = rows.to(tl.int64)
-    # bf16 bits -> fp32 bits: exact for every value (the interpreter's cast mangles bf16 subnormals)
-    bits = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0)
-    x = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    x = bf16_bits_to_f32(tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0))
     groups = tl.reshape(x, (BLOCK_ROWS, BLOCK_K // GROUP, GROUP))
-    amax = tl.max(tl.abs(groups), axis=2)
-    if E4M3_SCALE:
-        scale = round_to_e4m3(tl.minimum(tl.div_rn(tl.maximum(amax, MIN_E4M3_AMAX), 6.0), 448.0))
-    else:
-        scaled = (tl.maximum(amax, MIN_POW2_AMAX) * FP4_MAX_INV).to(tl.int32, bitcast=True)
-        exponent = ((scaled >> 23) & 0xFF) + ((scaled & 0x7FFFFF) != 0).to(tl.int32)  # ceil(log2) + 127
-        scale = (exponent << 23).to(tl.float32, bitcast=True)
-    v = tl.minimum(tl.maximum(tl.div_rn(groups, scale[:, :, None]), -6.0), 6.0)
-    magnitude = _e2m1_magnitude(tl.abs(v)) * scale[:, :, None]
-    # the sign is x's (dividing by a positive scale and clamping keep it), set on the bits so that
-    # -0.0 stays -0.0: the compiler may drop the sign of a zero in a float negation or select
-    sign = groups.to(tl.int32, bitcast=True) & -0x80000000
-    y = (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    scale = fp4_scale(tl.max(tl.abs(groups), axis=2), E4M3_SCALE)[:, :, None]
+    # code x scale is exact; the code keeps x's sign (dividing by a positive scale and clamping keep it)
+    y = e2m1_value(e2m1_code(tl.minimum(tl.maximum(tl.div_rn(groups, scale), -6.0), 6.0))) * scale
     tl.store(out_ptr + rows64[:, None] * stride_o + cols[None, :],
              tl.reshape(y, (BLOCK_ROWS, BLOCK_K)).to(tl.bfloat16), mask=mask)
 
@@ -89,6 +61,5 @@ def fp4_round_trip(x: torch.Tensor, block: int, e4m3_scale: bool = False) -> tor
         block_rows = max(1, BLOCK_ELEMENTS // block_k)
         _fp4_round_trip_kernel[(triton.cdiv(rows.shape[0], block_rows),)](
             rows.view(torch.int16), out, rows.shape[0], k, rows.stride(0), out.stride(0), GROUP=block,
-            E4M3_SCALE=e4m3_scale,
-            BLOCK_ROWS=block_rows, BLOCK_K=block_k, num_warps=4)
+            E4M3_SCALE=e4m3_scale, BLOCK_ROWS=block_rows, BLOCK_K=block_k, num_warps=4)
     return out.view(x.shape)
