@@ -16,10 +16,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from expert_dispatch_ranks import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, join_gloo_group
+from expert_dispatch_ranks import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, join_gloo_group, with_hot_bias
 
 LAYERS = (0, 3)
-HOT_BIAS = 1000.0
 
 
 @dataclass(frozen=True)
@@ -62,14 +61,6 @@ def placement_of(scenario: PlacementScenario, world_size: int, num_layers: int, 
     else:  # a different skew per layer: the last expert of layer 0 is the hottest, and so on
         loads = [[(1 + (e + layer) % num_experts) ** 3 for e in range(num_experts)] for layer in range(num_layers)]
     return balanced_placement(loads, world_size, scenario.redundant_per_rank * world_size)
-
-
-def with_hot_bias(moe, hot: tuple[int, ...]):
-    """The router bias to restore; the layer's bias now sends every token to ``hot`` first."""
-    bias = moe.router.bias.clone()
-    if hot:
-        moe.router.bias[list(hot)] += HOT_BIAS
-    return bias
 
 
 def rank_main(rank: int, world_size: int, checkpoint: str, store_path: str, out_dir: str) -> None:

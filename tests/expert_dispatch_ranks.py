@@ -61,6 +61,14 @@ def hot_experts(num_experts: int, world_size: int) -> range:
     return range(num_experts // world_size)
 
 
+def with_hot_bias(moe, hot) -> torch.Tensor:
+    """The router bias to restore; the layer's bias now sends every token to the ``hot`` experts first."""
+    bias = moe.router.bias.clone()
+    if hot:
+        moe.router.bias[list(hot)] += HOT_BIAS
+    return bias
+
+
 def capacity_of(scenario: Scenario, world_size: int, num_experts: int, top_k: int):
     from workers.expert_capacity import ExpertCapacity
 
@@ -124,9 +132,7 @@ def rank_main(rank: int, world_size: int, checkpoint: str, store_path: str, out_
             outputs = {}
             for layer in LAYERS:
                 moe = model.blocks[layer].moe
-                bias = moe.router.bias.clone()
-                if scenario.hot:
-                    moe.router.bias[list(hot_experts(cfg.num_routed_experts, world_size))] += HOT_BIAS
+                bias = with_hot_bias(moe, hot_experts(cfg.num_routed_experts, world_size) if scenario.hot else ())
                 moe.dispatcher = dispatcher
                 x = inputs(scenario, rank, layer, cfg.hidden_size)
                 outputs[layer] = moe(x)

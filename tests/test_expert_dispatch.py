@@ -17,7 +17,7 @@ import math
 
 import pytest
 import torch
-from expert_dispatch_ranks import LAYERS, SCENARIOS, HOT_BIAS, hot_experts, inputs, rank_main, run_rank_processes
+from expert_dispatch_ranks import LAYERS, SCENARIOS, hot_experts, inputs, rank_main, run_rank_processes, with_hot_bias
 
 from model.loader import load_model
 from workers.expert_capacity import ExpertCapacity, peer_share
@@ -47,9 +47,7 @@ def test_dispatch_equals_single_rank(ranks, single_rank, scenario):
     for rank, result in enumerate(results):
         for layer in LAYERS:
             moe = single_rank.blocks[layer].moe
-            bias = moe.router.bias.clone()
-            if scenario.hot:
-                moe.router.bias[list(hot_experts(cfg.num_routed_experts, world_size))] += HOT_BIAS
+            bias = with_hot_bias(moe, hot_experts(cfg.num_routed_experts, world_size) if scenario.hot else ())
             try:
                 expected = moe(inputs(scenario, rank, layer, cfg.hidden_size))
             finally:
