@@ -78,6 +78,15 @@ def _start_headless(checkpoint, master_port: int, key: Path, log: Path, *extra: 
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
 
 
+def _head_that_fails(checkpoint, master_port: int, key: Path, *extra: str,
+                     timeout: float) -> subprocess.CompletedProcess:
+    """Node 0's ``serve`` run to its end (a deployment that cannot form exits), its output captured."""
+    return subprocess.run([sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", "serve", "--model",
+                           str(checkpoint), "--port", str(free_port()), *_node_flags(master_port, key, 0),
+                           *ENGINE_FLAGS, *extra],
+                          capture_output=True, text=True, cwd=REPO, timeout=timeout)
+
+
 def _worker_of(supervisor: int) -> int:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -160,10 +169,7 @@ def test_a_node_with_another_cluster_key_never_joins_and_both_nodes_say_why(tiny
     node1_log = tmp_path / "node1.log"
     node1 = _start_headless(tiny_checkpoint, port, other_key, node1_log)
     try:
-        head = subprocess.run([sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", "serve", "--model",
-                               str(tiny_checkpoint), "--port", str(free_port()), *_node_flags(port, cluster_key, 0),
-                               *ENGINE_FLAGS, "--join-timeout", "3"],
-                              capture_output=True, text=True, cwd=REPO, timeout=60)
+        head = _head_that_fails(tiny_checkpoint, port, cluster_key, "--join-timeout", "3", timeout=60)
         assert head.returncode == 1
         assert "rank 1 (node 1) did not join within 3 s (--join-timeout)" in head.stderr
         assert "failed the CURVE handshake: is --cluster-key-file the same file on every node?" in head.stderr
@@ -178,10 +184,7 @@ def test_a_node_with_other_engine_flags_is_refused_naming_the_flag(tiny_checkpoi
     node1_log = tmp_path / "node1.log"
     node1 = _start_headless(tiny_checkpoint, port, cluster_key, node1_log, "--max-num-batched-tokens", "32")
     try:
-        head = subprocess.run([sys.executable, "-m", "deploy.cli", "--log-level", "WARNING", "serve", "--model",
-                               str(tiny_checkpoint), "--port", str(free_port()), *_node_flags(port, cluster_key, 0),
-                               *ENGINE_FLAGS],
-                              capture_output=True, text=True, cwd=REPO, timeout=90)
+        head = _head_that_fails(tiny_checkpoint, port, cluster_key, timeout=90)
         assert head.returncode == 1
         assert "rank 1 (node 1) has max_num_batched_tokens: 32 (rank 0: 64)" in head.stderr
         assert node1.wait(timeout=20) == 1  # node 0 shut the deployment down; node 1 says why too
