@@ -69,6 +69,18 @@ def with_hot_bias(moe, hot) -> torch.Tensor:
     return bias
 
 
+def assert_single_rank_output(got: torch.Tensor, moe, hot, x: torch.Tensor, where: str) -> None:
+    """``got`` (a rank's output) is bit for bit the output of ``moe`` (holding every expert) on ``x``
+    with every token sent to the ``hot`` experts first."""
+    bias = with_hot_bias(moe, hot)
+    try:
+        expected = moe(x)
+    finally:
+        moe.router.bias = bias
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    assert torch.equal(got, expected), f"{where}: max diff {(got - expected).abs().max()}"
+
+
 def capacity_of(scenario: Scenario, world_size: int, num_experts: int, top_k: int):
     from workers.expert_capacity import ExpertCapacity
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from eplb_ranks import LAYERS, SCENARIOS, inputs, placement_of, rank_main, tokens_of, with_hot_bias
-from expert_dispatch_ranks import run_rank_processes
+from eplb_ranks import LAYERS, SCENARIOS, inputs, placement_of, rank_main, tokens_of
+from expert_dispatch_ranks import assert_single_rank_output, run_rank_processes
 
 from model.loader import load_model
 from workers.expert_balancer import MIN_GAIN
@@ -48,14 +48,9 @@ def test_placed_dispatch_equals_single_rank(ranks, single_rank, scenario):
         assert result[scenario.name]["placement"] == placement.layers  # every rank agrees
         for layer in LAYERS:
             moe = single_rank.blocks[layer].moe
-            bias = with_hot_bias(moe, scenario.hot if not scenario.rebalance else ())
-            try:
-                expected = moe(inputs(scenario, rank, layer, cfg.hidden_size))
-            finally:
-                moe.router.bias = bias
-            got = result[scenario.name]["outputs"][layer]
-            assert got.dtype == expected.dtype and got.shape == expected.shape
-            assert torch.equal(got, expected), f"rank {rank} layer {layer}: max diff {(got - expected).abs().max()}"
+            hot = scenario.hot if not scenario.rebalance else ()
+            assert_single_rank_output(result[scenario.name]["outputs"][layer], moe, hot,
+                                      inputs(scenario, rank, layer, cfg.hidden_size), f"rank {rank} layer {layer}")
     # every routed pair was counted once, for its logical expert and for the slot that computed it
     k = cfg.num_experts_per_token
     pairs = k * sum(tokens_of(scenario, r) for r in range(world_size))

@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
-from expert_dispatch_ranks import LAYERS, SCENARIOS, hot_experts, inputs, rank_main, run_rank_processes, with_hot_bias
+from expert_dispatch_ranks import (LAYERS, SCENARIOS, assert_single_rank_output, hot_experts, inputs, rank_main,
+                                   run_rank_processes)
 
 from model.loader import load_model
 from workers.expert_capacity import ExpertCapacity, peer_share
@@ -47,14 +47,9 @@ def test_dispatch_equals_single_rank(ranks, single_rank, scenario):
     for rank, result in enumerate(results):
         for layer in LAYERS:
             moe = single_rank.blocks[layer].moe
-            bias = with_hot_bias(moe, hot_experts(cfg.num_routed_experts, world_size) if scenario.hot else ())
-            try:
-                expected = moe(inputs(scenario, rank, layer, cfg.hidden_size))
-            finally:
-                moe.router.bias = bias
-            got = result[scenario.name]["outputs"][layer]
-            assert got.dtype == expected.dtype and got.shape == expected.shape
-            assert torch.equal(got, expected), f"rank {rank} layer {layer}: max diff {(got - expected).abs().max()}"
+            hot = hot_experts(cfg.num_routed_experts, world_size) if scenario.hot else ()
+            assert_single_rank_output(result[scenario.name]["outputs"][layer], moe, hot,
+                                      inputs(scenario, rank, layer, cfg.hidden_size), f"rank {rank} layer {layer}")
     stats = [result[scenario.name]["stats"] for result in results]
     assert all(s["exchanges"] == len(LAYERS) for s in stats)
     if scenario.expect_overflow and world_size > 1:  # one rank exchanges nothing, so nothing overflows
