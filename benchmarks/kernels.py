@@ -327,6 +327,12 @@ class Bench:
         w3 = fp4_stack(s.experts, s.inter, s.dim, GAINS.get("w3", 1.0), self.device, self.gen)
         w2 = fp4_stack(s.experts, s.dim, s.inter, GAINS.get("w2", 1.0), self.device, self.gen)
         self.experts = ExpertWeights(w1=w1, w3=w3, w2=w2, first_expert=0, swiglu_limit=s.swiglu_limit)
+        self.row_experts = self.experts  # what the plain torch baseline reads (it dequantizes rows)
+        if not self.args.expert_rows:  # the layout the engine loads them in (TritonKernels.prepare_experts)
+            self.row_experts = ExpertWeights(*(QuantizedWeight(w.values.clone(), w.scales.clone(), w.fmt)
+                                               for w in (w1, w3, w2)), first_expert=0, swiglu_limit=s.swiglu_limit)
+            self.experts = self.tk.prepare_experts(self.experts)
+        log(f"experts in the {'fragment' if self.experts.w1.fragments else 'checkpoint row'} layout")
         total += self.experts.nbytes
         self.timer.sync()
         log(f"experts: {s.experts} x FP4 ({self.experts.nbytes / GB:.2f} GB); all weights {total / GB:.2f} GB")
@@ -446,7 +452,7 @@ class Bench:
             return self.rk.expert_outputs(st[0], st[1], st[2], st[3], experts)
 
         def plain(st):
-            return torch_moe(st[0], st[1], st[2], st[3], experts, s.swiglu_limit)
+            return torch_moe(st[0], st[1], st[2], st[3], self.row_experts, s.swiglu_limit)
 
         out = tri(sets[0])
         ref_s = self.reference_moe_cost(hit, pairs)
@@ -650,6 +656,8 @@ def parse_args(argv=None):
     p.add_argument("--graph-layers", type=int, default=4, help="layer instances captured in the CUDA graph (4)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="the Triton backend's batch-invariant mode (no split-K decode form)")
+    p.add_argument("--expert-rows", action="store_true",
+                   help="keep the FP4 experts in the checkpoint's row layout (the kernels' other path)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.m is None:

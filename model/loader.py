@@ -191,7 +191,7 @@ class _Builder:
             del parts
             stacks.append(stacked.to(device))
         w1, w3, w2 = stacks
-        return ExpertWeights(w1, w3, w2, self.shard.first_slot, self.cfg.swiglu_limit)
+        return self.kernels.prepare_experts(ExpertWeights(w1, w3, w2, self.shard.first_slot, self.cfg.swiglu_limit))
 
     def shared_expert(self, prefix: str) -> SharedExpert:
         return SharedExpert(self.linear(f"{prefix}.w1"), self.linear(f"{prefix}.w2"), self.linear(f"{prefix}.w3"),

@@ -116,14 +116,18 @@ def test_grouped_output_projection_matches_reference():
     assert_close_to_reference(got, ref)
 
 
-@pytest.mark.parametrize("fmt", [WeightFormat.FP4, WeightFormat.FP8])
-def test_fused_experts_match_reference(fmt):
+@pytest.mark.parametrize("fmt,fragments", [(WeightFormat.FP4, False), (WeightFormat.FP4, True),
+                                           (WeightFormat.FP8, False)], ids=["fp4", "fp4-fragments", "fp8"])
+def test_fused_experts_match_reference(fmt, fragments):
     from model.kernels.triton_backend import TritonKernels
 
     gen = torch.Generator().manual_seed(4)
-    e, d, inter, tokens, top_k = 6, 128, 96, 11, 3
+    e, d, inter, tokens, top_k = 6, 128, 128 if fragments else 96, 11, 3
     experts = ExpertWeights(random_weight(fmt, inter, d, gen, e), random_weight(fmt, inter, d, gen, e),
                             random_weight(fmt, d, inter, gen, e), first_expert=0, swiglu_limit=1.0)
+    if fragments:  # the layout the Triton backend loads FP4 experts in (fp4_fragments.py)
+        experts = TritonKernels().prepare_experts(experts)
+        assert experts.w1.fragments and experts.w2.fragments
     x = torch.randn(tokens, d, generator=gen).bfloat16()
     ids = torch.rand(tokens, e, generator=gen).topk(top_k, dim=-1).indices.reshape(-1)
     ids[[2, 9]] = torch.tensor([-1, e + 2])  # pairs another rank owns: their rows stay zero

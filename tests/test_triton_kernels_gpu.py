@@ -95,12 +95,16 @@ def test_head_logits_real_shape(kernels):
     assert torch.allclose(decoded, ref, rtol=0, atol=float(ref.abs().max()) * 2.0 ** -16)
 
 
+@pytest.mark.parametrize("fragments", [False, True], ids=["rows", "fragments"])
 @pytest.mark.parametrize("tokens", [1, 7, 64, 300])
-def test_fp4_moe_real_shapes(kernels, tokens):
+def test_fp4_moe_real_shapes(kernels, tokens, fragments):
     triton_k, reference, _ = kernels
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     experts = ExpertWeights(fp4_stack(EXPERTS, INTER, D, gen), fp4_stack(EXPERTS, INTER, D, gen),
                             fp4_stack(EXPERTS, D, INTER, gen), first_expert=0, swiglu_limit=10.0)
+    if fragments:  # the layout the Triton backend loads them in
+        experts = triton_k.prepare_experts(experts)
+        assert experts.w1.fragments and experts.w2.fragments
     x = torch.randn(tokens, D, device="cuda", generator=gen).bfloat16()
     ids = torch.rand(tokens, EXPERTS, device="cuda", generator=gen).topk(TOP_K, dim=-1).indices.reshape(-1)
     pair_token = torch.arange(tokens * TOP_K, device="cuda") // TOP_K

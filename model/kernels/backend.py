@@ -50,6 +50,11 @@ class KernelBackend(ABC):
         The reference multiplies fp32 copies of both: bf16 x bf16 products are exact in fp32, so a
         backend may multiply the bf16 values with fp32 accumulation instead of holding an fp32 head."""
 
+    def prepare_experts(self, experts: ExpertWeights) -> ExpertWeights:
+        """Called once per layer at load: a backend may re-lay out the experts' bytes for its kernels
+        (same memory); the reference arithmetic reads the checkpoint's layout as it is."""
+        return experts
+
     @abstractmethod
     def expert_outputs(self, x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.Tensor,
                        pair_weight: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:

@@ -11,10 +11,12 @@ import torch
 from ..config import WeightFormat
 from ..rope import RotaryTable
 from .backend import KernelBackend
+from .fp4_fragments import fragments_exact, fragments_fit
 from .reference import ReferenceKernels
 from .triton_bf16_mm import bf16_mm
 from .triton_decode_mm import MAX_TOKENS as DECODE_MAX_TOKENS
 from .triton_decode_mm import decode_mm
+from .triton_moe import BLOCK_K as MOE_BLOCK_K
 from .triton_moe import fused_experts
 from .triton_moe_sum import moe_sum, swiglu
 from .triton_scaled_mm import act_quant, act_quant_bf16, scaled_mm
@@ -70,6 +72,18 @@ class TritonKernels(KernelBackend):
     def logits(self, hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         mm = decode_mm if self._decode_form(hidden.shape[0]) else bf16_mm
         return mm(hidden.contiguous(), head, None, WeightFormat.BF16, out_dtype=torch.float32)
+
+    def prepare_experts(self, experts: ExpertWeights) -> ExpertWeights:
+        """FP4 experts go into the fragment layout (``fp4_fragments.py``: ~2 instructions per value in
+        the experts' kernels instead of ~7) when their shapes and scales allow it exactly; any other
+        weight keeps the checkpoint's rows, which the kernels also read."""
+        weights = (experts.w1, experts.w3, experts.w2)
+        if all(isinstance(w, QuantizedWeight) and w.fmt is WeightFormat.FP4 and not w.fragments
+               and fragments_fit(w.out_features, w.in_features) and w.in_features % MOE_BLOCK_K == 0
+               and fragments_exact(w.scales) for w in weights):
+            for w in weights:
+                w.to_fragments()
+        return experts
 
     def expert_outputs(self, x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.Tensor,
                        pair_weight: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:

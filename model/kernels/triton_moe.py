@@ -37,7 +37,7 @@ import triton.language as tl
 from .tile_configs import moe_config
 from .triton_common import INTERPRETED, quantize_groups_of_32, to_bf16
 from .triton_scaled_mm import act_quant_bf16
-from .triton_weight_tiles import FORMAT_CODES, weight_rows
+from .triton_weight_tiles import FP4_FRAGMENTS, format_code, fragment_offsets, fragment_tile, weight_rows
 from .weights import ExpertWeights
 
 BLOCK_K = 128  # K columns per step, fixed for batch invariance (the experts' widths are multiples of 32)
@@ -64,6 +64,29 @@ def _dot(acc, w, a, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _expert_tile(w_ptr, s_ptr, offs_w, k0, N, K, stride_wn, stride_sn, words, scales, groups, B_FMT: tl.constexpr,
+                 BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """bf16 ``[BLOCK_W, BLOCK_K]`` of an expert's weight at columns ``k0..``: rows ``offs_w`` of the
+    checkpoint layout, or, in the fragment layout, the tile whose first word and scale ``w_ptr`` and
+    ``s_ptr`` point at for ``k0 = 0`` (``_tile_start``)."""
+    if B_FMT == FP4_FRAGMENTS:
+        return fragment_tile(w_ptr + k0 * 8, s_ptr + k0 // 2, words, scales, groups, BLOCK_W, BLOCK_K, INTERPRETED)
+    return weight_rows(w_ptr, s_ptr, offs_w, k0, N, K, stride_wn, stride_sn, B_FMT, BLOCK_W, BLOCK_K, EVEN_K,
+                       INTERPRETED)
+
+
+@triton.jit
+def _tile_start(pid_w, K, B_FMT: tl.constexpr, BLOCK_W: tl.constexpr):
+    """(byte offset of the program's first word, of its first scale) in one expert's fragment-layout
+    matrix: row group ``pid_w * BLOCK_W / 16`` holds ``K / 64 * 512`` bytes of words and ``K / 2`` of
+    scales (0, 0 in the checkpoint layout, which indexes rows)."""
+    first = (pid_w * (BLOCK_W // 16)).to(tl.int64)
+    if B_FMT != FP4_FRAGMENTS:
+        first = first * 0
+    return first * (K * 8), first * (K // 2)
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_ptr, expert_start_ptr, expert_count_ptr,
                     block_expert_ptr, block_index_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
                     D, INTER, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, limit,
@@ -77,21 +100,24 @@ def _gate_up_kernel(x_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_ptr, exp
     tokens = tl.load(pair_token_ptr + pairs, mask=row_mask, other=0).to(tl.int64)
     offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
     e = expert.to(tl.int64)
-    w1_ptr += e * stride_we
-    w3_ptr += e * stride_we
-    s1_ptr += e * stride_se
-    s3_ptr += e * stride_se
+    w_start, s_start = _tile_start(pid_w, D, B_FMT, BLOCK_W)
+    w1_ptr += e * stride_we + w_start
+    w3_ptr += e * stride_we + w_start
+    s1_ptr += e * stride_se + s_start
+    s3_ptr += e * stride_se + s_start
+    words, scales = fragment_offsets(D, BLOCK_W, BLOCK_K)
+    groups = INTER // 16 - pid_w * (BLOCK_W // 16)
     gate = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
     up = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + tokens[:, None] * stride_x + offs_k[None, :],
                     mask=row_mask[:, None] & (offs_k[None, :] < D), other=0.0)  # [BLOCK_T, BLOCK_K]
-        w1 = weight_rows(w1_ptr, s1_ptr, offs_w, k0, INTER, D, stride_wn, stride_sn, B_FMT, BLOCK_W, BLOCK_K,
-                          EVEN_K, INTERPRETED)
+        w1 = _expert_tile(w1_ptr, s1_ptr, offs_w, k0, INTER, D, stride_wn, stride_sn, words, scales, groups, B_FMT,
+                          BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
         gate = _dot(gate, w1, tl.trans(a), INTERPRETED)
-        w3 = weight_rows(w3_ptr, s3_ptr, offs_w, k0, INTER, D, stride_wn, stride_sn, B_FMT, BLOCK_W, BLOCK_K,
-                          EVEN_K, INTERPRETED)
+        w3 = _expert_tile(w3_ptr, s3_ptr, offs_w, k0, INTER, D, stride_wn, stride_sn, words, scales, groups, B_FMT,
+                          BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
         up = _dot(up, w3, tl.trans(a), INTERPRETED)
     gate = to_bf16(gate, INTERPRETED).to(tl.float32)  # the reference's w1(x) and w3(x) are bf16
     up = to_bf16(up, INTERPRETED).to(tl.float32)
@@ -120,15 +146,18 @@ def _down_kernel(h_ptr, out_ptr, sorted_pair_ptr, expert_start_ptr, expert_count
     offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
     rows = (pid_b * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     e = expert.to(tl.int64)
-    w2_ptr += e * stride_we
-    s2_ptr += e * stride_se
+    w_start, s_start = _tile_start(pid_w, INTER, B_FMT, BLOCK_W)
+    w2_ptr += e * stride_we + w_start
+    s2_ptr += e * stride_se + s_start
+    words, scales = fragment_offsets(INTER, BLOCK_W, BLOCK_K)
+    groups = D // 16 - pid_w * (BLOCK_W // 16)
     acc = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(h_ptr + rows[:, None] * stride_h + offs_k[None, :],
                     mask=row_mask[:, None] & (offs_k[None, :] < INTER), other=0.0)
-        w2 = weight_rows(w2_ptr, s2_ptr, offs_w, k0, D, INTER, stride_wn, stride_sn, B_FMT, BLOCK_W, BLOCK_K,
-                          EVEN_K, INTERPRETED)
+        w2 = _expert_tile(w2_ptr, s2_ptr, offs_w, k0, D, INTER, stride_wn, stride_sn, words, scales, groups, B_FMT,
+                          BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
         acc = _dot(acc, w2, tl.trans(a), INTERPRETED)
     tl.store(out_ptr + pairs[None, :].to(tl.int64) * stride_out + offs_w[:, None], to_bf16(acc, INTERPRETED),
              mask=row_mask[None, :] & (offs_w[:, None] < D))
@@ -176,7 +205,7 @@ def fused_experts(x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.
     sorted_pair, start, count, block_expert, block_index = align_pairs(pair_expert, num_experts, cfg.block_m)
     num_blocks = block_expert.shape[0]
     hidden = torch.empty(num_blocks * cfg.block_m, inter, dtype=torch.bfloat16, device=x.device)
-    fmt = FORMAT_CODES[experts.w1.fmt]
+    fmt = format_code(experts.w1)
     w1, w3, w2 = (w.values.view(torch.uint8) for w in (experts.w1, experts.w3, experts.w2))
     s1, s3, s2 = (w.scales.view(torch.uint8) for w in (experts.w1, experts.w3, experts.w2))
     common = dict(B_FMT=fmt, BLOCK_T=cfg.block_m, BLOCK_W=cfg.block_n, BLOCK_K=BLOCK_K,

@@ -2,9 +2,11 @@
 
 Format codes (``FORMAT_CODES``, a kernel's ``B_FMT``): 0 = FP8 (e4m3 bytes, one UE8M0 scale per
 32x32 tile), 1 = FP4 (packed e2m1, element 2k in the low nibble, one UE8M0 scale per row and 32
-columns), 2 = plain bf16. ``weight_rows`` gives a tile of whole weight rows as bf16 with the scales
-applied, which is exact (e4m3 or e2m1 times a power of two): the operand of the decode-form
-products and of the experts' kernels.
+columns), 2 = plain bf16, 3 = FP4 in the fragment layout (``fp4_fragments.py``). ``weight_rows``
+gives a tile of whole weight rows as bf16 with the scales applied, which is exact (e4m3 or e2m1 times
+a power of two): the operand of the decode-form products and of the experts' kernels;
+``fragment_tile`` gives the same tile of a matrix in the fragment layout, at ~2 instructions per
+value instead of ~7.
 """
 
 from __future__ import annotations
@@ -13,8 +15,15 @@ import triton
 import triton.language as tl
 
 from ..config import WeightFormat
+from .triton_common import e2m1_value
 
 FORMAT_CODES = {WeightFormat.FP8: 0, WeightFormat.FP4: 1, WeightFormat.BF16: 2}
+FP4_FRAGMENTS = tl.constexpr(3)  # a kernel's B_FMT for FP4 weights in the fragment layout
+
+
+def format_code(weight) -> int:
+    """``B_FMT`` of a ``QuantizedWeight``."""
+    return FP4_FRAGMENTS.value if weight.fragments else FORMAT_CODES[weight.fmt]
 
 
 @triton.jit
@@ -100,3 +109,96 @@ def _e2m1_nibbles_ptx(raw):
     byte shuffles to interleave the nibbles."""
     return tl.inline_asm_elementwise(asm=_E2M1_PTX, constraints="=r,=r,=r,=r,r", args=[raw],
                                      dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+
+
+# ---------------------------------------------------------------------------- the fragment layout
+# $4: one word (4 bytes: the fragment's 8 codes, fp4_fragments.py); $5: 16 bits, the scale bytes of
+# rows g (low) and g + 8 (high). Each scale becomes bf16 2**(e - 1) in both halves of a register
+# ((e + 126) << 7, by a byte permute and one multiply-add); each pair of codes becomes bf16 e2m1 x
+# 2**-126 by a shift and a mask (pair 3: three of each), times its row's scale: exact (fp4_fragments).
+_FRAGMENT_PTX = tl.constexpr("""{
+    .reg .b32 p, q, sg, sh;
+    prmt.b32 sg, $5, 0, 0x4240;
+    mad.lo.u32 sg, sg, 128, 0x3F003F00;
+    prmt.b32 sh, $5, 0, 0x4341;
+    mad.lo.u32 sh, sh, 128, 0x3F003F00;
+    and.b32 p, $4, 0x81C081C0;
+    mul.rn.bf16x2 $0, p, sg;
+    shl.b32 p, $4, 3;
+    and.b32 p, p, 0x81C081C0;
+    mul.rn.bf16x2 $1, p, sh;
+    shl.b32 p, $4, 6;
+    and.b32 p, p, 0x81C081C0;
+    mul.rn.bf16x2 $2, p, sg;
+    shl.b32 p, $4, 1;
+    and.b32 p, p, 0x80008000;
+    shr.b32 q, $4, 3;
+    and.b32 q, q, 0x01800180;
+    or.b32 p, p, q;
+    shr.b32 q, $4, 7;
+    and.b32 q, q, 0x00400040;
+    or.b32 p, p, q;
+    mul.rn.bf16x2 $3, p, sh;
+}""")
+
+
+@triton.jit
+def fragment_offsets(K, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Byte offsets of a ``[BLOCK_W, BLOCK_K]`` tile's words (``[BLOCK_W/16, BLOCK_K/64 * 512]``: each
+    row group's words for the tile are contiguous, so they load in 16-byte vectors) and int16 offsets of
+    its scale pairs (``[BLOCK_W/16, BLOCK_K/64, 8, 1, 4, 1]``, broadcast over the words that share
+    them), from the tile's first row and column; a K step of ``BLOCK_K`` columns moves them by
+    ``BLOCK_K / 64 * 512`` and ``BLOCK_K / 64 * 16``."""
+    RG: tl.constexpr = BLOCK_W // 16
+    KQ: tl.constexpr = BLOCK_K // 64
+    words = tl.arange(0, RG)[:, None] * (K // 64 * 512) + tl.arange(0, KQ * 512)[None, :]
+    rg = tl.arange(0, RG)[:, None, None, None, None, None]
+    kq = tl.arange(0, KQ)[None, :, None, None, None, None]
+    g = tl.arange(0, 8)[None, None, :, None, None, None]
+    c = tl.arange(0, 4)[None, None, None, None, :, None]
+    scales = rg * (K // 32 * 8) + (kq * 2 + c // 2) * 8 + g  # [N/16, K/32, g, h] bytes = [.., g] int16
+    return words, scales
+
+
+@triton.jit
+def fragment_tile(w_ptr, s_ptr, words, scales, groups, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
+                  INTERPRETED: tl.constexpr):
+    """bf16 ``[BLOCK_W, BLOCK_K]``, scales applied: the tile at ``w_ptr``/``s_ptr`` (its first word and
+    scale byte) of an FP4 matrix in the fragment layout; ``words``/``scales`` from ``fragment_offsets``;
+    rows past the first ``groups`` row groups of 16 are zero."""
+    RG: tl.constexpr = BLOCK_W // 16
+    KQ: tl.constexpr = BLOCK_K // 64
+    raw = tl.load(w_ptr + words, mask=tl.arange(0, RG)[:, None] < groups, other=0)
+    raw = tl.reshape(raw, (RG, KQ, 8, 4, 4, 4))  # [rg, kq, g, t, c, byte]
+    pair = tl.load(s_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + scales,
+                   mask=tl.arange(0, RG)[:, None, None, None, None, None] < groups, other=0)
+    if INTERPRETED:  # no inline assembly: the same values from the codes
+        low, high = _fragment_values(raw, pair)
+    else:
+        low, high = tl.inline_asm_elementwise(asm=_FRAGMENT_PTX, constraints="=r,=r,=r,=r,r,r,r",
+                                              args=[raw, tl.broadcast_to(pair, (RG, KQ, 8, 4, 4, 4))],
+                                              dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    # element (.., byte, j): row 16 rg + 8 (byte // 2) + g, column 64 kq + 16 c + 8 j + 2 t + byte % 2
+    v = tl.reshape(tl.join(low, high), (RG, KQ, 8, 4, 4, 2, 2, 2))  # [rg, kq, g, t, c, h, b, j]
+    v = tl.permute(v, (0, 5, 2, 1, 4, 7, 3, 6))  # [rg, h, g, kq, c, j, t, b]
+    return tl.reshape(v, (BLOCK_W, BLOCK_K))
+
+
+@triton.jit
+def _fragment_values(raw, pair):
+    """The interpreter's twin of ``_FRAGMENT_PTX``: (element j = 0, element j = 1) of each byte."""
+    byte = tl.arange(0, 4)[None, None, None, None, None, :]
+    word = tl.sum(raw.to(tl.int32) << (8 * byte), axis=5)[:, :, :, :, :, None]
+    half = 16 * (byte % 2)
+    h = byte // 2
+    scale = ((((pair.to(tl.int32) & 0xFFFF) >> (8 * h)) & 0xFF) << 23).to(tl.float32, bitcast=True)  # 2**(e-127)
+    # j = 0: pairs 0 (h = 0) and 1 (h = 1), at shifts 0 and 3 of the mask 0x81C0
+    w0 = word << (3 * h) >> half
+    code0 = (((w0 >> 15) & 1) << 3) | ((w0 >> 6) & 7)
+    # j = 1: pair 2 (h = 0, shift 6) and the split pair 3 (h = 1)
+    w2 = word << 6 >> half
+    w3 = word >> half
+    code2 = (((w2 >> 15) & 1) << 3) | ((w2 >> 6) & 7)
+    code3 = (((w3 >> 14) & 1) << 3) | (((w3 >> 10) & 3) << 1) | ((w3 >> 13) & 1)
+    code1 = tl.where(h == 0, code2, code3)
+    return (e2m1_value(code0) * scale).to(tl.bfloat16), (e2m1_value(code1) * scale).to(tl.bfloat16)  # exact

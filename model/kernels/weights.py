@@ -13,6 +13,7 @@ import torch
 
 from ..config import WeightFormat
 from ..quant import e2m1_values, unpack_e2m1
+from .fp4_fragments import from_fragments, to_fragments
 
 SCALE_BLOCK = 32  # the K block of every scale (and the row block of FP8 tile scales)
 
@@ -23,16 +24,20 @@ class QuantizedWeight:
 
     FP8: ``values`` float8_e4m3fn ``[.., N, K]``, ``scales`` float8_e8m0fnu ``[.., ceil(N/32), K/32]``
     (one power of two per 32x32 tile). FP4: ``values`` int8 ``[.., N, K/2]`` (element 2k in the low
-    nibble), ``scales`` float8_e8m0fnu ``[.., N, K/32]``.
+    nibble), ``scales`` float8_e8m0fnu ``[.., N, K/32]``. ``fragments``: FP4 bytes permuted into the
+    experts' kernel layout (``fp4_fragments.py``; same shapes and bytes, another order).
     """
 
     values: torch.Tensor
     scales: torch.Tensor
     fmt: WeightFormat
+    fragments: bool = False
 
     def __post_init__(self) -> None:
         if self.fmt not in (WeightFormat.FP8, WeightFormat.FP4):
             raise ValueError(f"a QuantizedWeight is FP8 or FP4, not {self.fmt}")
+        if self.fragments and self.fmt is not WeightFormat.FP4:
+            raise ValueError("only FP4 weights have a fragment layout")
 
     @property
     def out_features(self) -> int:
@@ -53,18 +58,37 @@ class QuantizedWeight:
 
     def __getitem__(self, index) -> "QuantizedWeight":
         """One matrix of a stack (a view: no copy)."""
-        return QuantizedWeight(self.values[index], self.scales[index], self.fmt)
+        return QuantizedWeight(self.values[index], self.scales[index], self.fmt, self.fragments)
+
+    def in_rows(self) -> "QuantizedWeight":
+        """The checkpoint's layout: this weight, or a copy of it back from the fragment layout."""
+        if not self.fragments:
+            return self
+        return QuantizedWeight(*from_fragments(self.values, self.scales), self.fmt)
+
+    def to_fragments(self) -> "QuantizedWeight":
+        """Permute FP4 values and scales into the fragment layout in place, one matrix at a time (a
+        stack never needs twice its memory)."""
+        if self.fragments:
+            return self
+        matrices = [self] if self.values.dim() == 2 else [self[i] for i in range(self.values.shape[0])]
+        for matrix in matrices:  # views into the stack
+            values, scales = to_fragments(matrix.values, matrix.scales)
+            matrix.values.copy_(values)
+            matrix.scales.copy_(scales)
+        self.fragments = True
+        return self
 
     # ---------------------------------------------------------------- exact expansions (fp32)
     def unscaled_values(self) -> torch.Tensor:
         """fp32 ``[.., N, K]``: the e4m3 / e2m1 values without their scales (exact)."""
         if self.fmt is WeightFormat.FP8:
             return self.values.float()
-        return e2m1_values(unpack_e2m1(self.values))
+        return e2m1_values(unpack_e2m1(self.in_rows().values))
 
     def row_scales(self) -> torch.Tensor:
         """fp32 ``[.., N, K/32]``: the scale of every row and K block (FP8 tile scales repeated)."""
-        scales = self.scales.float()
+        scales = self.in_rows().scales.float()
         if self.fmt is WeightFormat.FP8:
             scales = scales.repeat_interleave(SCALE_BLOCK, dim=-2)[..., : self.out_features, :]
         return scales.contiguous()
@@ -105,6 +129,6 @@ class ExpertWeights:
 
 
 def stack_quantized(weights: list[QuantizedWeight]) -> QuantizedWeight:
-    """Stack per-expert weights of one format into ``[E, ...]`` (a copy of the same bytes)."""
+    """Stack per-expert weights of one format and layout into ``[E, ...]`` (a copy of the same bytes)."""
     return QuantizedWeight(torch.stack([w.values for w in weights]), torch.stack([w.scales for w in weights]),
-                           weights[0].fmt)
+                           weights[0].fmt, weights[0].fragments)
