@@ -22,8 +22,12 @@ def _tables():
     return tile_configs
 
 
+DECODE_MAX_M = 256  # above: the experts' prefill configs
+
+
 def run_tune(bench, ms: list[int]) -> None:
-    """Sweep the tile configs at the decode sizes ``ms``; appends one entry per (kernel, M) to ``bench.tune``."""
+    """Sweep the tile configs at the sizes ``ms`` (the FP8 linears' decode form only where it is used);
+    appends one entry per (kernel, M) to ``bench.tune``."""
     # FP8 linears at M <= 64: the decode form's configs (triton_decode_mm; the split changes the
     # summation order, so outputs are compared within tolerance). Experts: the weight rows stay on
     # the tensor cores' 64-row side (batch invariance) (outputs compared bit for bit).
@@ -32,8 +36,12 @@ def run_tune(bench, ms: list[int]) -> None:
                    for st in (3, 4) for pps in (2, 4, 8)]
     moe_cfgs = [tables.TileConfig(bm, bn, warps, st) for bm in (16, 32) for bn in (64, 128) for warps in (4, 8)
                 for st in (2, 3, 4)]
+    # prefill: tens of tokens per expert; wider token tiles for the tensor cores
+    moe_prefill_cfgs = [tables.TileConfig(bm, bn, warps, st) for bm in (64, 128) for bn in (64, 128, 256)
+                        for warps in (4, 8) for st in (2, 3)]
     if bench.args.tiny:
         decode_cfgs, moe_cfgs = decode_cfgs[1::5], moe_cfgs[1::5]  # the logic, not the numbers
+        moe_prefill_cfgs = moe_prefill_cfgs[1::5]
     budget = (bench.budget_fast[0] * 0.4, bench.budget_fast[1], bench.budget_fast[2])
     for m in ms:
         if m <= bench.tk_decode_max:
@@ -56,7 +64,7 @@ def run_tune(bench, ms: list[int]) -> None:
         nbytes = hit * bench.expert_bytes() + m * bench.s.dim * 2 + pairs * bench.s.dim * 2
         limit_s = limit_of(nbytes, 6.0 * pairs * bench.s.inter * bench.s.dim, bench.ceil)[2]
         default = tables.moe_config(pairs / bench.s.experts)
-        _sweep(bench, "moe.experts", m, limit_s, default, moe_cfgs, "moe",
+        _sweep(bench, "moe.experts", m, limit_s, default, moe_cfgs if m <= DECODE_MAX_M else moe_prefill_cfgs, "moe",
                lambda i: bench.tk.expert_outputs(*sets[i % len(sets)], bench.experts), budget)
         del sets
         bench._cleanup(big=False)

@@ -5,7 +5,7 @@ Run (from the repository root, on a CUDA machine)::
     .venv/bin/python benchmarks/kernels.py                          # M = 1,8,64,256,4096,16384
     .venv/bin/python benchmarks/kernels.py --quick                  # M = 1,64,4096, shorter timings
     .venv/bin/python benchmarks/kernels.py --m 1,64 --json out.json
-    .venv/bin/python benchmarks/kernels.py --tune                   # + tile-config sweep at decode M
+    .venv/bin/python benchmarks/kernels.py --tune                   # + tile-config sweep
     TRITON_INTERPRET=1 .venv/bin/python benchmarks/kernels.py --device cpu --tiny   # logic check only
 
 What one layer of V4.1-Flash multiplies (hidden 5120, 64 heads x 512, q_lora 1280, 8 output
@@ -52,11 +52,12 @@ of the rows (a row's result does not depend on the other rows: in the batch-inva
 bit for bit, in the decode form within the tolerance). The
 script stops with exit status 1 if any difference exceeds 1e-2 or any output is not finite.
 
-``--tune`` sweeps, at the decode M values, the decode form's configs of the FP8 linears (M <= 64:
+``--tune`` sweeps, at the given M values, the decode form's configs of the FP8 linears (M <= 64:
 64-128 weight rows x 128-256 K columns per step, 3-4 stages, 2-8 programs per SM before split-K
 stops; outputs compared with the default config's within the tolerance, since another split sums
-in another order) and the experts' configs (16-32 tokens x 64-128 weight rows, 2-4 stages; outputs
-compared bit for bit: the experts' kernels are batch invariant; 4 or 8 warps), by
+in another order) and the experts' configs (M <= 256: 16-32 tokens x 64-128 weight rows, 2-4
+stages; above: 64-128 tokens x 64-256 weight rows, 2-3 stages; 4 or 8 warps; outputs compared bit
+for bit: the experts' kernels are batch invariant), by
 overriding ``model.kernels.tile_configs`` tables for the duration of each measurement, and prints
 the best config per (kernel, M) and the best single config per M (``benchmarks/kernel_tune.py``).
 
@@ -642,7 +643,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="cuda (default when available) or cpu (needs --tiny)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (for the CPU under TRITON_INTERPRET=1)")
     p.add_argument("--json", default=None, help="write every number to this file")
-    p.add_argument("--tune", action="store_true", help="also sweep tile configs at the decode M values")
+    p.add_argument("--tune", action="store_true", help="also sweep tile configs at the M values")
     p.add_argument("--tune-only", action="store_true", help="only the tile-config sweep")
     p.add_argument("--kernels", default=None, help="comma-separated subset of kernel names (substring match)")
     p.add_argument("--no-reference", action="store_true", help="skip the reference timings (checks still run)")
@@ -722,7 +723,7 @@ def main(argv=None) -> int:
                     log(f"layer FP8 linears M={m}: graph {us(entry['graph_s'])} us, sum {us(entry['sum_s'])} us, "
                         f"memory limit {us(entry['mem_limit_s'])} us -> {entry['pct_mem_limit']:.0%}")
         if args.tune:
-            run_tune(bench, [m for m in args.ms if m <= DECODE_MAX_M])
+            run_tune(bench, args.ms)
     except CorrectnessError as exc:
         error = str(exc)
     finally:

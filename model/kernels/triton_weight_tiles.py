@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 from ..config import WeightFormat
-from .triton_common import e2m1_value
 
 FORMAT_CODES = {WeightFormat.FP8: 0, WeightFormat.FP4: 1, WeightFormat.BF16: 2}
 FP4_FRAGMENTS = tl.constexpr(3)  # a kernel's B_FMT for FP4 weights in the fragment layout
@@ -112,15 +111,17 @@ def _e2m1_nibbles_ptx(raw):
 
 
 # ---------------------------------------------------------------------------- the fragment layout
-# $4: one word (4 bytes: the fragment's 8 codes, fp4_fragments.py); $5: 16 bits, the scale bytes of
-# rows g (low) and g + 8 (high). Each scale becomes bf16 2**(e - 1) in both halves of a register
-# ((e + 126) << 7, by a byte permute and one multiply-add); each pair of codes becomes bf16 e2m1 x
-# 2**-126 by a shift and a mask (pair 3: three of each), times its row's scale: exact (fp4_fragments).
+# $4: one word (the fragment's 8 codes, fp4_fragments.py); $5: 16 bits, the scale bytes of rows g (low)
+# and g + 8 (high). Each scale becomes bf16 2**(e - 1) in both halves of a register ((e + 126) << 7, by
+# a byte permute and one multiply-add); each pair of codes becomes bf16 e2m1 x 2**-126 by a shift and
+# a mask (pair 3: three of each), times its row's scale: exact (fp4_fragments). One word in, its four
+# registers out, whatever layout the compiler gives the tensors.
 _FRAGMENT_PTX = tl.constexpr("""{
-    .reg .b32 p, q, sg, sh;
-    prmt.b32 sg, $5, 0, 0x4240;
+    .reg .b32 p, q, s, sg, sh;
+    cvt.u32.u16 s, $5;
+    prmt.b32 sg, s, 0, 0x4040;
     mad.lo.u32 sg, sg, 128, 0x3F003F00;
-    prmt.b32 sh, $5, 0, 0x4341;
+    prmt.b32 sh, s, 0, 0x4141;
     mad.lo.u32 sh, sh, 128, 0x3F003F00;
     and.b32 p, $4, 0x81C081C0;
     mul.rn.bf16x2 $0, p, sg;
@@ -144,18 +145,18 @@ _FRAGMENT_PTX = tl.constexpr("""{
 
 @triton.jit
 def fragment_offsets(K, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Byte offsets of a ``[BLOCK_W, BLOCK_K]`` tile's words (``[BLOCK_W/16, BLOCK_K/64 * 512]``: each
-    row group's words for the tile are contiguous, so they load in 16-byte vectors) and int16 offsets of
-    its scale pairs (``[BLOCK_W/16, BLOCK_K/64, 8, 1, 4, 1]``, broadcast over the words that share
+    """Offsets of a ``[BLOCK_W, BLOCK_K]`` tile's words (int32 units, ``[BLOCK_W/16, BLOCK_K/64 * 128]``:
+    each row group's words for the tile are contiguous, so they load in 16-byte vectors) and of its
+    scale pairs (int16 units, ``[BLOCK_W/16, BLOCK_K/64, 8, 1, 4]``, broadcast over the words that share
     them), from the tile's first row and column; a K step of ``BLOCK_K`` columns moves them by
-    ``BLOCK_K / 64 * 512`` and ``BLOCK_K / 64 * 16``."""
+    ``BLOCK_K / 64 * 128`` and ``BLOCK_K / 64 * 16``."""
     RG: tl.constexpr = BLOCK_W // 16
     KQ: tl.constexpr = BLOCK_K // 64
-    words = tl.arange(0, RG)[:, None] * (K // 64 * 512) + tl.arange(0, KQ * 512)[None, :]
-    rg = tl.arange(0, RG)[:, None, None, None, None, None]
-    kq = tl.arange(0, KQ)[None, :, None, None, None, None]
-    g = tl.arange(0, 8)[None, None, :, None, None, None]
-    c = tl.arange(0, 4)[None, None, None, None, :, None]
+    words = tl.arange(0, RG)[:, None] * (K // 64 * 128) + tl.arange(0, KQ * 128)[None, :]
+    rg = tl.arange(0, RG)[:, None, None, None, None]
+    kq = tl.arange(0, KQ)[None, :, None, None, None]
+    g = tl.arange(0, 8)[None, None, :, None, None]
+    c = tl.arange(0, 4)[None, None, None, None, :]
     scales = rg * (K // 32 * 8) + (kq * 2 + c // 2) * 8 + g  # [N/16, K/32, g, h] bytes = [.., g] int16
     return words, scales
 
@@ -168,37 +169,51 @@ def fragment_tile(w_ptr, s_ptr, words, scales, groups, BLOCK_W: tl.constexpr, BL
     rows past the first ``groups`` row groups of 16 are zero."""
     RG: tl.constexpr = BLOCK_W // 16
     KQ: tl.constexpr = BLOCK_K // 64
-    raw = tl.load(w_ptr + words, mask=tl.arange(0, RG)[:, None] < groups, other=0)
-    raw = tl.reshape(raw, (RG, KQ, 8, 4, 4, 4))  # [rg, kq, g, t, c, byte]
+    word = tl.load(w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + words,
+                   mask=tl.arange(0, RG)[:, None] < groups, other=0)
+    word = tl.reshape(word, (RG, KQ, 8, 4, 4))  # [rg, kq, g, t, c]
     pair = tl.load(s_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + scales,
-                   mask=tl.arange(0, RG)[:, None, None, None, None, None] < groups, other=0)
-    if INTERPRETED:  # no inline assembly: the same values from the codes
-        low, high = _fragment_values(raw, pair)
+                   mask=tl.arange(0, RG)[:, None, None, None, None] < groups, other=0)
+    pair = tl.broadcast_to(pair, (RG, KQ, 8, 4, 4))
+    if INTERPRETED:  # no inline assembly: the same bits with tensor operations
+        r0, r1, r2, r3 = _fragment_registers(word, pair)
     else:
-        low, high = tl.inline_asm_elementwise(asm=_FRAGMENT_PTX, constraints="=r,=r,=r,=r,r,r,r",
-                                              args=[raw, tl.broadcast_to(pair, (RG, KQ, 8, 4, 4, 4))],
-                                              dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    # element (.., byte, j): row 16 rg + 8 (byte // 2) + g, column 64 kq + 16 c + 8 j + 2 t + byte % 2
-    v = tl.reshape(tl.join(low, high), (RG, KQ, 8, 4, 4, 2, 2, 2))  # [rg, kq, g, t, c, h, b, j]
-    v = tl.permute(v, (0, 5, 2, 1, 4, 7, 3, 6))  # [rg, h, g, kq, c, j, t, b]
+        r0, r1, r2, r3 = tl.inline_asm_elementwise(asm=_FRAGMENT_PTX, constraints="=r,=r,=r,=r,r,h",
+                                                   args=[word, pair], dtype=(tl.int32,) * 4, is_pure=True,
+                                                   pack=1)
+    # register 2 j + h holds row 16 rg + 8 h + g, columns 64 kq + 16 c + 8 j + 2 t + (0, 1)
+    v = tl.join(tl.join(_bf16_pair(r0), _bf16_pair(r1)), tl.join(_bf16_pair(r2), _bf16_pair(r3)))
+    v = tl.permute(v, (0, 6, 2, 1, 4, 7, 3, 5))  # [rg, kq, g, t, c, b, h, j] -> [rg, h, g, kq, c, j, t, b]
     return tl.reshape(v, (BLOCK_W, BLOCK_K))
 
 
 @triton.jit
-def _fragment_values(raw, pair):
-    """The interpreter's twin of ``_FRAGMENT_PTX``: (element j = 0, element j = 1) of each byte."""
-    byte = tl.arange(0, 4)[None, None, None, None, None, :]
-    word = tl.sum(raw.to(tl.int32) << (8 * byte), axis=5)[:, :, :, :, :, None]
-    half = 16 * (byte % 2)
-    h = byte // 2
-    scale = ((((pair.to(tl.int32) & 0xFFFF) >> (8 * h)) & 0xFF) << 23).to(tl.float32, bitcast=True)  # 2**(e-127)
-    # j = 0: pairs 0 (h = 0) and 1 (h = 1), at shifts 0 and 3 of the mask 0x81C0
-    w0 = word << (3 * h) >> half
-    code0 = (((w0 >> 15) & 1) << 3) | ((w0 >> 6) & 7)
-    # j = 1: pair 2 (h = 0, shift 6) and the split pair 3 (h = 1)
-    w2 = word << 6 >> half
-    w3 = word >> half
-    code2 = (((w2 >> 15) & 1) << 3) | ((w2 >> 6) & 7)
-    code3 = (((w3 >> 14) & 1) << 3) | (((w3 >> 10) & 3) << 1) | ((w3 >> 13) & 1)
-    code1 = tl.where(h == 0, code2, code3)
-    return (e2m1_value(code0) * scale).to(tl.bfloat16), (e2m1_value(code1) * scale).to(tl.bfloat16)  # exact
+def _bf16_pair(register):
+    """int32 holding two bf16 (low half first) -> bf16 ``[.., 2]``."""
+    low = register.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    high = (register >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return tl.join(low, high)
+
+
+_PAIR_MASK = tl.constexpr(0x81C081C0 - (1 << 32))  # the PTX's masks as int32 constants
+_SIGN_MASK = tl.constexpr(0x80008000 - (1 << 32))
+
+
+@triton.jit
+def _fragment_registers(word, pair):
+    """The interpreter's twin of ``_FRAGMENT_PTX``: the four registers, from the same bits (the products
+    by the scales in fp32, exact: the results are normal bf16 values)."""
+    m = _PAIR_MASK
+    p3 = ((word << 1) & _SIGN_MASK) | ((word >> 3) & 0x01800180) | ((word >> 7) & 0x00400040)
+    e = pair.to(tl.int32) & 0xFFFF
+    return (_scaled(word & m, e & 0xFF), _scaled((word << 3) & m, e >> 8), _scaled((word << 6) & m, e & 0xFF),
+            _scaled(p3, e >> 8))
+
+
+@triton.jit
+def _scaled(bits, e):
+    """Both bf16 halves of ``bits`` (e2m1 x 2**-126) times 2**(e - 1), as int32 bf16 bits."""
+    factor = ((e + 126) << 23).to(tl.float32, bitcast=True)
+    low = ((bits & 0xFFFF) << 16).to(tl.float32, bitcast=True) * factor
+    high = (bits & -65536).to(tl.float32, bitcast=True) * factor
+    return ((low.to(tl.int32, bitcast=True) >> 16) & 0xFFFF) | (high.to(tl.int32, bitcast=True) & -65536)
