@@ -56,7 +56,7 @@ script stops with exit status 1 if any difference exceeds 1e-2 or any output is 
 64-128 weight rows x 128-256 K columns per step, 3-4 stages, 2-8 programs per SM before split-K
 stops; outputs compared with the default config's within the tolerance, since another split sums
 in another order) and the experts' configs (M <= 256: 16-32 tokens x 64-128 weight rows, 2-4
-stages; above: 64-128 tokens x 64-256 weight rows, 2-3 stages; 4 or 8 warps; outputs compared bit
+stages; above: 64-128 tokens x 128-256 weight rows, 2-3 stages; 4 or 8 warps; outputs compared bit
 for bit: the experts' kernels are batch invariant), by
 overriding ``model.kernels.tile_configs`` tables for the duration of each measurement, and prints
 the best config per (kernel, M) and the best single config per M (``benchmarks/kernel_tune.py``).
