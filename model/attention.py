@@ -87,11 +87,11 @@ class Attention:
             if self.indexer is not None:
                 self._select(x, qr, batch, cache, state)
         if batch.num_tokens:
-            kv_rows, valid, widths = self._gather_entries(kv, batch, cache, state)
+            pool, index, valid, widths = self._gather_entries(kv, batch, cache, state)
             if self.reference_layout:
-                o = sparse_attention(q, kv_rows, valid, widths, w.sink, self.scale)
+                o = sparse_attention(q, pool[index], valid, widths, w.sink, self.scale)
             else:  # whole blocks: every row at the batch's width gives each row what its own width gives
-                o = self.kernels.sparse_attention(q, kv_rows, valid, w.sink, self.scale)
+                o = self.kernels.sparse_attention(q, pool, index, valid, w.sink, self.scale)
         else:
             o = torch.zeros_like(q)
         self.kernels.rotate_(o[..., -rd:], pos, self.rope, inverse=True)
@@ -110,22 +110,49 @@ class Attention:
             state.candidates = published
 
     def _gather_entries(self, kv: torch.Tensor, batch: ForwardBatch, cache: V41Cache, state: ForwardState):
-        """Per query: its listed KV rows [T, L, D], which are real entries [T, L], and list lengths [T]."""
+        """(pool [R, D], index [T, L], valid [T, L], list lengths [T]): every KV row the queries list,
+        each held once (the chunk's own rows, the rings of its sequences, the compressed entries), and
+        each query's list as indices into it. Queries of one prefill chunk share most of their rows:
+        copying them per query would move thousands of times the bytes."""
         layout, win = batch.layout, self.cfg.sliding_window
         window = window_list(batch.positions, layout, win, self.reference_layout)
+        tokens = kv.shape[0]
         start, offset = layout.start.unsqueeze(-1), layout.offset.unsqueeze(-1)
         last = (layout.end - layout.start - 1).unsqueeze(-1)
-        in_chunk = window.positions >= start
-        from_chunk = kv[offset + (window.positions - start).clamp(min=0).minimum(last)]
-        from_ring = cache.read_window(self.role.layer_id, layout.slot.unsqueeze(-1), window.positions.clamp(min=0) % win)
-        window_rows = torch.where(in_chunk.unsqueeze(-1), from_chunk, from_ring)
-        selection = compressed_rows = None
+        from_chunk = offset + (window.positions - start).clamp(min=0).minimum(last)
+        ring = cache.read_window(self.role.layer_id, layout.seq_slot.unsqueeze(-1),
+                                 torch.arange(win, device=kv.device))  # [B, window, D]
+        from_ring = tokens + layout.seq.unsqueeze(-1) * win + window.positions.clamp(min=0) % win
+        window_index = torch.where(window.positions >= start, from_chunk, from_ring)
+        parts = [kv, ring.flatten(0, 1)]
+        selection = compressed_index = None
         if self.role.compress_ratio:
             selection = state.selections[self.role.topk_source]
-            blocks, rows = cache.entry_rows_batched(self.role.kv_source, layout.block_tables,
-                                                    layout.seq.unsqueeze(-1), selection.entries)
-            compressed_rows = cache.read_compressed_kv(self.role.kv_source, blocks, rows)
-        return join_lists(window, window_rows, selection, compressed_rows, self.reference_layout)
+            rows, compressed_index = self._compressed_entries(batch, cache, selection, tokens + ring.shape[0] * win)
+            parts.append(rows)
+        index, valid, widths = join_lists(window, window_index, selection, compressed_index, self.reference_layout)
+        return torch.cat(parts), index, valid, widths
+
+    def _compressed_entries(self, batch: ForwardBatch, cache: V41Cache, selection, first_row: int):
+        """(rows [R, D], index [T, K] of each selected entry, counting from ``first_row``): each
+        sequence's entries decoded once when that reads fewer rows than every query's selection (a
+        prefill chunk), else each query's selected entries (decode: one query per sequence; a fixed
+        shape, as a CUDA graph needs)."""
+        layout, source = batch.layout, self.role.kv_source
+        tokens, k = selection.entries.shape
+        sequences = layout.seq_end.shape[0]
+        if not batch.padded:
+            per_sequence = max(batch.longest_end() // self.cfg.compress_ratios[source], 1)  # known on the host
+            if sequences * per_sequence < tokens * k:
+                entries = torch.arange(per_sequence, device=selection.entries.device)
+                owner = torch.arange(sequences, device=entries.device).unsqueeze(-1)
+                blocks, rows = cache.entry_rows_batched(source, layout.block_tables, owner, entries)
+                index = (first_row + layout.seq.unsqueeze(-1) * per_sequence
+                         + selection.entries.clamp(min=0, max=per_sequence - 1))
+                return cache.read_compressed_kv(source, blocks, rows).flatten(0, 1), index
+        blocks, rows = cache.entry_rows_batched(source, layout.block_tables, layout.seq.unsqueeze(-1), selection.entries)
+        index = first_row + torch.arange(tokens * k, device=selection.entries.device).view(tokens, k)
+        return cache.read_compressed_kv(source, blocks, rows).flatten(0, 1), index
 
     def _write_window(self, kv: torch.Tensor, batch: ForwardBatch, cache: V41Cache) -> None:
         """Keep the last ``window`` positions of every chunk in its sequence's ring (row = pos % W)."""

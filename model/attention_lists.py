@@ -1,4 +1,5 @@
-"""Which KV rows a query attends to, and in which order (the lists ``sparse_attention`` consumes).
+"""Which KV rows a query attends to, and in which order (the lists ``sparse_attention`` consumes, as
+indices into the forward's pool of rows).
 
 A query at position t attends to the window positions ``t-n+1 .. t`` (n = min(window, t+1)) and,
 in compressed layers, to the compressed entries selected for it. Since the kernel's arithmetic
@@ -56,23 +57,24 @@ def window_list(positions: torch.Tensor, layout: TokenLayout, window: int, refer
     return WindowList(listed, valid, torch.where(ring_order, window, widths))
 
 
-def join_lists(window: WindowList, window_rows: torch.Tensor, selection: TokenSelection | None,
-               compressed_rows: torch.Tensor | None, reference_layout: bool):
-    """(kv rows [T, L, D], valid [T, L], list length [T]): the window part, then the compressed part.
+def join_lists(window: WindowList, window_index: torch.Tensor, selection: TokenSelection | None,
+               compressed_index: torch.Tensor | None, reference_layout: bool):
+    """(index [T, L], valid [T, L], list length [T]): each query's list as indices into the forward's
+    row pool (``window_index [T, window]`` and ``compressed_index [T, K]`` say where the pool holds
+    each window position and each selected entry): the window part, then the compressed part.
 
     The compressed part starts right after the window part of each row: after the valid window
     entries (packed), or after the kernel's window columns (reference)."""
     t, w = window.valid.shape
     if selection is None:
-        return window_rows, window.valid, window.widths
+        return window_index, window.valid, window.widths
     k = selection.entries.shape[1]
-    compressed_valid = torch.arange(k, device=window_rows.device) < selection.counts.unsqueeze(-1)
+    compressed_valid = torch.arange(k, device=window_index.device) < selection.counts.unsqueeze(-1)
     compressed_width = selection.widths if reference_layout else selection.counts
-    j = torch.arange(w + k, device=window_rows.device)
+    j = torch.arange(w + k, device=window_index.device)
     win_width = window.widths.unsqueeze(-1)
     source = torch.where(j < win_width, j, w + j - win_width).clamp(max=w + k - 1)
-    both = torch.cat([window_rows, compressed_rows], dim=1)
-    rows = torch.gather(both, 1, source.unsqueeze(-1).expand(-1, -1, both.shape[-1]))
+    index = torch.gather(torch.cat([window_index, compressed_index], dim=1), 1, source)
     widths = window.widths + compressed_width
     valid = torch.gather(torch.cat([window.valid, compressed_valid], dim=1), 1, source) & (j < widths.unsqueeze(-1))
-    return rows, valid, widths
+    return index, valid, widths

@@ -125,15 +125,16 @@ def main() -> int:
               {"SPLITS": 4, "OUT_F32": out_f32, "BLOCK": 1024, "EXACT_DOT": False}, wgmma=False)
 
     attention = triton_sparse_attention
-    sizes = "H D L stride_qt stride_qh stride_kvt stride_kvl stride_vt stride_ot stride_oh"
-    types = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "valid_ptr": "*u8", "sink_ptr": "*fp32", "out_ptr": "*bf16",
-             "scale": "fp32", **scalars(sizes)}
+    sizes = "H D L stride_qt stride_qh stride_pool stride_it stride_vt stride_ot stride_oh"
+    types = {"q_ptr": "*bf16", "pool_ptr": "*bf16", "index_ptr": "*i32", "valid_ptr": "*u8", "sink_ptr": "*fp32",
+             "out_ptr": "*bf16", "scale": "fp32", **scalars(sizes)}
     for head_dim in (512, 64):  # V4.1-Flash; the tiny models
         check(f"sparse_attention D={head_dim}", attention._sparse_attention_kernel, types,
               {"BLOCK_H": attention.BLOCK_H, "BLOCK_D": head_dim, "BLOCK_L": attention.BLOCK_L,
                "EMPTY_MAX": attention.EMPTY_MAX, "INTERPRETED": False},
               options={"num_warps": attention.NUM_WARPS, "num_stages": attention.NUM_STAGES, "enable_fp_fusion": False},
-              aligned=("q_ptr", "kv_ptr", "valid_ptr", "sink_ptr", "out_ptr", *sizes.split()), spill_free=True)
+              aligned=("q_ptr", "pool_ptr", "index_ptr", "valid_ptr", "sink_ptr", "out_ptr", *sizes.split()),
+              spill_free=True)
 
     pointers = ("mix_ptr", "scale_ptr", "base_ptr", "pre_ptr", "post_ptr", "comb_ptr")
     check("split_sinkhorn hc=4", triton_sinkhorn._sinkhorn_kernel,

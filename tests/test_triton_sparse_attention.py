@@ -37,11 +37,19 @@ from tests.kernel_checks import device  # noqa: E402
 MIN_BIT_EQUAL = 0.99
 
 
+def as_pool(q, kv, valid, sink, scale):
+    """Per-row lists ``kv [T, L, D]`` as the kernels take them: a pool of rows and each list's indices."""
+    t, length, d = kv.shape
+    index = torch.arange(t * length, device=kv.device).view(t, length)
+    return q, kv.reshape(t * length, d), index, valid, sink, scale
+
+
 def kernel_output(inputs) -> torch.Tensor:
     """The kernel on ``device()``, its output back on the CPU (where the twin runs)."""
     from model.kernels.triton_sparse_attention import sparse_attention
 
-    return sparse_attention(*(x.to(device()) if isinstance(x, torch.Tensor) else x for x in inputs)).cpu()
+    return sparse_attention(*(x.to(device()) if isinstance(x, torch.Tensor) else x
+                              for x in as_pool(*inputs))).cpu()
 
 
 def random_inputs(t: int, h: int, d: int, length: int, seed: int, sharp: bool = False, device: str = "cpu"):
@@ -94,7 +102,7 @@ SHAPES = [  # (T, H, D, L)
 def test_matches_reference(shape, sharp):
     inputs = random_inputs(*shape, seed=sum(shape) + sharp, sharp=sharp)
     got = kernel_output(inputs)
-    ref = ReferenceKernels(batch_invariant=True).sparse_attention(*inputs)
+    ref = ReferenceKernels(batch_invariant=True).sparse_attention(*as_pool(*inputs))
     assert got.dtype == torch.bfloat16 and got.shape == ref.shape
     assert (failure := mismatch(got, ref, *inputs)) is None, failure
     if shape[0] > 1:
@@ -162,8 +170,27 @@ def test_real_shapes_on_gpu(t):
     from model.kernels.triton_backend import TritonKernels
 
     inputs = random_inputs(t, 64, 512, 640, seed=t, device="cuda")
-    got = TritonKernels().sparse_attention(*inputs)
-    ref = ReferenceKernels(batch_invariant=True).sparse_attention(*inputs)
+    got = TritonKernels().sparse_attention(*as_pool(*inputs))
+    ref = ReferenceKernels(batch_invariant=True).sparse_attention(*as_pool(*inputs))
     assert (failure := mismatch(got, ref, *inputs)) is None, failure
     for chosen in (slice(0, 1), slice(t - 1, t)):
-        assert torch.equal(TritonKernels().sparse_attention(*rows(inputs, chosen)), got[chosen]), chosen
+        assert torch.equal(TritonKernels().sparse_attention(*as_pool(*rows(inputs, chosen))), got[chosen]), chosen
+
+
+def test_rows_shared_by_many_lists_are_read_from_one_pool():
+    """A prefill chunk's lists overlap: each pool row is listed by many queries, in any order, and a
+    list may repeat a row. The kernel reads them in place; the twin on the gathered copies agrees."""
+    from model.kernels.triton_sparse_attention import sparse_attention
+
+    gen = torch.Generator().manual_seed(11)
+    t, h, d, rows_in_pool, length = 9, 16, 64, 150, 200
+    q, _, valid, sink, scale = random_inputs(t, h, d, length, seed=11)
+    pool = torch.randn(rows_in_pool, d, generator=gen).bfloat16()
+    index = torch.randint(0, rows_in_pool, (t, length), generator=gen)
+    index[2, :50] = 7  # one row listed fifty times
+    index[~valid] = -1  # a hole's index is never read
+    got = sparse_attention(*(x.to(device()) if isinstance(x, torch.Tensor) else x
+                             for x in (q, pool, index, valid, sink, scale))).cpu()
+    kv_rows = pool[index.clamp(min=0)]
+    ref = sparse_attention_padded(q, kv_rows, valid, sink, scale)
+    assert (failure := mismatch(got, ref, q, kv_rows, valid, sink, scale)) is None, failure

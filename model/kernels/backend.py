@@ -67,12 +67,13 @@ class KernelBackend(ABC):
         the routing weight applied to the hidden activation before the down projection."""
 
     @abstractmethod
-    def sparse_attention(self, q: torch.Tensor, kv_rows: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+    def sparse_attention(self, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, valid: torch.Tensor,
+                         sink: torch.Tensor, scale: float) -> torch.Tensor:
         """Each query row's attention over its own listed KV rows, with a sink -> bf16 ``[T, H, D]``.
 
-        ``q [T, H, D]`` bf16; ``kv_rows [T, L, D]`` bf16 (K and V are the same vector); ``valid [T, L]``
-        bool (False: a hole); ``sink [H]`` fp32. ``sparse_attention_padded``'s arithmetic
+        ``q [T, H, D]`` bf16; the rows row ``t`` lists are ``pool[index[t]]`` (``pool [R, D]`` bf16,
+        each distinct row once; ``index [T, L]`` integer; K and V are the same vector); ``valid [T, L]``
+        bool (False: a hole, whatever its index); ``sink [H]`` fp32. ``sparse_attention_padded``'s arithmetic
         (``model/sparse_attention.py``): an online softmax over blocks of 64 listed entries (the list
         padded with holes to whole blocks), per block scores ``q . kv`` in fp32 (bf16 products), holes
         at -inf, times ``scale``; the running max (from -1e30) rescales the fp32 sum of ``p = exp(scores -

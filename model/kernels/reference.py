@@ -58,9 +58,9 @@ class ReferenceKernels(KernelBackend):
             out[pairs] = self._expert(x[pair_token[pairs]], pair_weight[pairs, None], experts, e)
         return out
 
-    def sparse_attention(self, q: torch.Tensor, kv_rows: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
-                         scale: float) -> torch.Tensor:
-        return sparse_attention_padded(q, kv_rows, valid, sink, scale)
+    def sparse_attention(self, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, valid: torch.Tensor,
+                         sink: torch.Tensor, scale: float) -> torch.Tensor:
+        return sparse_attention_padded(q, pool[index], valid, sink, scale)
 
     def _expert(self, x: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights, e: int) -> torch.Tensor:
         """The reference's clamped SwiGLU expert on rows ``x``; ``weights [n, 1]`` scale the hidden state."""

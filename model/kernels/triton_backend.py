@@ -91,9 +91,9 @@ class TritonKernels(KernelBackend):
             return self._plain.expert_outputs(x, pair_token, pair_expert, pair_weight, experts)
         return fused_experts(x, pair_token, pair_expert, pair_weight.float().contiguous(), experts)
 
-    def sparse_attention(self, q: torch.Tensor, kv_rows: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
-                         scale: float) -> torch.Tensor:
-        return sparse_attention(q, kv_rows, valid, sink, scale)
+    def sparse_attention(self, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, valid: torch.Tensor,
+                         sink: torch.Tensor, scale: float) -> torch.Tensor:
+        return sparse_attention(q, pool, index, valid, sink, scale)
 
     def split_sinkhorn(self, mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

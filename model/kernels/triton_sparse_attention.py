@@ -1,22 +1,27 @@
 """Triton kernel of the sparse attention with sink (twin: ``model.sparse_attention.sparse_attention_padded``).
 
-``sparse_attention(q, kv_rows, valid, sink, scale)``: each query row ``t`` and head ``h`` attends to
-the row's own listed KV rows ``kv_rows[t, :L]`` (K and V are the same vector; ``valid[t] == False``
-marks a hole), with the twin's arithmetic: an online softmax over blocks of 64 listed entries
-(columns past ``L`` are holes, as the twin's padding to whole blocks makes them); scores in fp32 from
+``sparse_attention(q, pool, index, valid, sink, scale)``: each query row ``t`` and head ``h`` attends
+to the row's listed KV rows ``pool[index[t, :L]]`` (K and V are the same vector; ``valid[t] ==
+False`` marks a hole), with the twin's arithmetic on ``kv_rows = pool[index]``: an online softmax
+over blocks of 64 listed entries (columns past ``L`` are holes, as the twin's padding to whole
+blocks makes them); scores in fp32 from
 bf16 x bf16 products, holes at -inf, times ``scale``; a running max that starts at -1e30;
 ``p = exp(scores - max)``; the denominator sums the fp32 ``p``, the numerator the products of ``p``
 rounded to bf16 with the KV rows (fp32 accumulation); at the end ``exp(sink[h] - max)`` joins the
 denominator only (the sink is not scaled) and ``out = bf16(acc / sum)``. A row without any valid
 entry yields zeros.
 
-Layouts: q ``[T, H, D]``, kv_rows ``[T, L, D]`` bf16 (last dims contiguous), valid ``[T, L]`` bool,
-sink ``[H]`` fp32; out ``[T, H, D]`` bf16. One launch for a whole layer, any T and L: no shape
-depends on the values, so a decode step replays it in a CUDA graph.
+Layouts: q ``[T, H, D]``, pool ``[R, D]`` bf16 (last dims contiguous), index ``[T, L]`` int32 (any
+value at a hole), valid ``[T, L]`` bool, sink ``[H]`` fp32; out ``[T, H, D]`` bf16. The pool holds
+each row once however many queries list it: the rows of a prefill chunk and the compressed entries
+of its sequence are shared by thousands of queries, which would otherwise each get a copy. One
+launch for a whole layer, any T, L and R: no shape depends on the values, so a decode step replays
+it in a CUDA graph.
 
 Grid: one program per (query row, block of ``BLOCK_H`` heads), a row's head blocks side by side.
 All heads of a row attend the same KV rows, so each 64-entry KV block ``[64, D]`` is loaded once per
-program (straight into shared memory, a few blocks ahead) and serves all its heads in both products.
+program (gathered from the pool straight into shared memory, a few blocks ahead) and serves all its
+heads in both products.
 The products are taken transposed, ``scores^T = kv q^T`` ``[64, BLOCK_H]`` and ``out^T += kv^T p^T``
 ``[D, BLOCK_H]``: the 64 entries and the D features fill the tensor cores' 64-row side and the heads
 the narrow side, as ``triton_decode_mm`` does with tokens. Hopper's warpgroup instructions need
@@ -58,8 +63,8 @@ EMPTY_MAX = -1e30  # the twin's start of the running max: finite, so exp(old - n
 
 
 @triton.jit
-def _sparse_attention_kernel(q_ptr, kv_ptr, valid_ptr, sink_ptr, out_ptr, scale, H, D, L,
-                             stride_qt, stride_qh, stride_kvt, stride_kvl, stride_vt, stride_ot, stride_oh,
+def _sparse_attention_kernel(q_ptr, pool_ptr, index_ptr, valid_ptr, sink_ptr, out_ptr, scale, H, D, L,
+                             stride_qt, stride_qh, stride_pool, stride_it, stride_vt, stride_ot, stride_oh,
                              BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
                              EMPTY_MAX: tl.constexpr, INTERPRETED: tl.constexpr):
     head_blocks = tl.cdiv(H, BLOCK_H)
@@ -71,7 +76,7 @@ def _sparse_attention_kernel(q_ptr, kv_ptr, valid_ptr, sink_ptr, out_ptr, scale,
     d_mask = offs_d < D
     q_t = tl.load(q_ptr + row * stride_qt + offs_h[None, :] * stride_qh + offs_d[:, None],
                   mask=d_mask[:, None] & h_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_H]
-    kv_ptr += row * stride_kvt
+    index_ptr += row * stride_it
     valid_ptr += row * stride_vt
     # the blocks from the first valid entry's to the last's (blocks of holes change nothing)
     first = L
@@ -87,7 +92,8 @@ def _sparse_attention_kernel(q_ptr, kv_ptr, valid_ptr, sink_ptr, out_ptr, scale,
     for start in range(first - first % BLOCK_L, last + 1, BLOCK_L):
         cols = start + offs_l
         ok = tl.load(valid_ptr + cols, mask=cols < L, other=0) != 0
-        kv = tl.load(kv_ptr + cols[:, None] * stride_kvl + offs_d[None, :],
+        entry = tl.load(index_ptr + cols, mask=ok, other=0).to(tl.int64)
+        kv = tl.load(pool_ptr + entry[:, None] * stride_pool + offs_d[None, :],
                      mask=ok[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_L, BLOCK_D]; holes: zeros, not read
         scores = tl.where(ok[:, None], dot_bf16(kv, q_t, INTERPRETED), -float("inf")) * scale  # [BLOCK_L, BLOCK_H]
         block_max = tl.maximum(running_max, tl.max(scores, axis=0))
@@ -106,27 +112,29 @@ def _sparse_attention_kernel(q_ptr, kv_ptr, valid_ptr, sink_ptr, out_ptr, scale,
              mask=d_mask[:, None] & h_mask[None, :])
 
 
-def sparse_attention(q: torch.Tensor, kv_rows: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """q ``[T, H, D]`` bf16 over each row's listed KV rows ``kv_rows [T, L, D]`` bf16 (``valid [T, L]``
-    bool, False: a hole), with ``sink [H]`` fp32 -> ``[T, H, D]`` bf16 (see the module docstring)."""
+def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, valid: torch.Tensor,
+                     sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """q ``[T, H, D]`` bf16 over each row's listed KV rows ``pool[index[t]]`` (``pool [R, D]`` bf16,
+    ``index [T, L]`` integer, ``valid [T, L]`` bool, False: a hole), with ``sink [H]`` fp32 ->
+    ``[T, H, D]`` bf16 (see the module docstring)."""
     t, h, d = q.shape
-    length = kv_rows.shape[1]
+    length = index.shape[1]
     out = torch.empty(t, h, d, dtype=torch.bfloat16, device=q.device)
     if t == 0 or h == 0 or d == 0:
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if kv_rows.stride(-1) != 1:
-        kv_rows = kv_rows.contiguous()
+    if pool.stride(-1) != 1:
+        pool = pool.contiguous()
+    index = index.to(torch.int32).contiguous()
     if valid.stride(-1) != 1:
         valid = valid.contiguous()
     valid = valid.view(torch.uint8)  # same bytes; a bool pointer is awkward in a kernel
     sink = sink.float().contiguous()
     grid = (t * triton.cdiv(h, BLOCK_H),)  # a row's head blocks side by side: its KV rows are read together
     _sparse_attention_kernel[grid](
-        q, kv_rows, valid, sink, out, float(scale), h, d, length,
-        q.stride(0), q.stride(1), kv_rows.stride(0), kv_rows.stride(1), valid.stride(0), out.stride(0), out.stride(1),
+        q, pool, index, valid, sink, out, float(scale), h, d, length,
+        q.stride(0), q.stride(1), pool.stride(0), index.stride(0), valid.stride(0), out.stride(0), out.stride(1),
         BLOCK_H=BLOCK_H, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_L=BLOCK_L, EMPTY_MAX=EMPTY_MAX,
         INTERPRETED=INTERPRETED, num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False)
     return out
