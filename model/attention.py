@@ -48,6 +48,12 @@ class AttentionWeights:
     sink: torch.Tensor  # [heads] fp32
 
 
+def sequence_entries_pay(sequences: int, entries_per_sequence: int, tokens: int, selected: int) -> bool:
+    """Whether decoding every sequence's compressed entries once reads fewer rows than decoding each
+    query's selected ones (both give the attention the same rows)."""
+    return sequences * entries_per_sequence < tokens * selected
+
+
 class Attention:
     def __init__(self, cfg: V41Config, role: LayerRole, weights: AttentionWeights,
                  compressor: Compressor | None, indexer: Indexer | None, kernels: KernelBackend,
@@ -143,7 +149,7 @@ class Attention:
         sequences = layout.seq_end.shape[0]
         if not batch.padded:
             per_sequence = max(batch.longest_end() // self.cfg.compress_ratios[source], 1)  # known on the host
-            if sequences * per_sequence < tokens * k:
+            if sequence_entries_pay(sequences, per_sequence, tokens, k):
                 entries = torch.arange(per_sequence, device=selection.entries.device)
                 owner = torch.arange(sequences, device=entries.device).unsqueeze(-1)
                 blocks, rows = cache.entry_rows_batched(source, layout.block_tables, owner, entries)
