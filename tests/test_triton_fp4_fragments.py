@@ -135,3 +135,20 @@ def test_prepared_experts_keep_their_values_for_the_reference():
     for w, expected in zip((experts.w1, experts.w3, experts.w2), dense):
         assert torch.equal(w.dequantized().view(torch.int16), expected.view(torch.int16))
         assert torch.equal(w[1].dequantized().view(torch.int16), expected[1].view(torch.int16))
+
+
+def test_expert_moves_carry_the_fragment_layout():
+    """Rebalancing copies whole expert slots as bytes: the permutation is per expert, so a moved slot
+    holds the moved expert's values in the layout the kernels read."""
+    from model.kernels.triton_backend import TritonKernels
+    from workers.expert_weight_moves import apply_moves, plan_moves
+
+    weights = [random_fp4((4,), 32, 128, seed=20 + i) for i in range(3)]
+    dense = [w.dequantized() for w in weights]
+    experts = TritonKernels().prepare_experts(ExpertWeights(*weights, first_expert=0, swiglu_limit=0.0))
+    new = (3, 0, 0, 2)
+    assert apply_moves(experts, plan_moves((0, 1, 2, 3), new, 1), rank=0, world_size=1) == 4
+    for w, expected in zip((experts.w1, experts.w3, experts.w2), dense):
+        assert w.fragments
+        for slot, expert in enumerate(new):
+            assert torch.equal(w[slot].dequantized().view(torch.int16), expected[expert].view(torch.int16))
