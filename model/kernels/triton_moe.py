@@ -19,10 +19,13 @@ One MoE layer's routed experts in four steps, with no host synchronisation:
 Layout on the tensor cores (as ``triton_decode_mm``): the expert's weight rows fill the 64-row side
 and a block's tokens (16-64) the narrow side, so the few tokens an expert gets in a decode step
 waste no instruction rows. Each K step of ``BLOCK_K`` columns expands the weight tile to bf16 with
-its scales applied (e4m3 or e2m1 times a power of two: exact; FP4 codes become fp16 through a few
-bit operations of inline PTX), so every product is exact and only the order of the fp32 sums
-differs from the reference's per-32-block order. Wide steps let the compiler stream the weight
-tiles into shared memory several steps ahead (``num_stages``).
+its scales applied (e4m3 or e2m1 times a power of two: exact), so every product is exact and only
+the order of the fp32 sums differs from the reference's per-32-block order. FP4 experts are read in
+the fragment layout the Triton backend loads them in (``fp4_fragments.py``: a shift, a mask and a
+bf16 multiply per pair of values, ``triton_weight_tiles.fragment_tile``), or, when a checkpoint's
+scales or shapes do not allow it, in the checkpoint's rows (``weight_rows``: fp16 through a few bit
+operations of inline PTX, then fp32). Wide steps let the compiler stream the weight tiles into
+shared memory several steps ahead (``num_stages``).
 
 Batch invariance: a pair's result depends only on its own row: one fixed ``BLOCK_K`` (so K is summed
 in the same steps by every config), no split-K, one instruction shape for every config.
