@@ -113,14 +113,18 @@ def to_fragments(values: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tens
 
 def from_fragments(values: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of ``to_fragments``: the checkpoint's own bytes."""
+    return values_from_fragments(values), scales_from_fragments(scales)
+
+
+def values_from_fragments(values: torch.Tensor) -> torch.Tensor:
+    """The checkpoint's packed e2m1 rows ``[.., N, K/2]`` of values in the fragment layout."""
     *lead, n, half_k = values.shape
     k = 2 * half_k
     words = values.contiguous().view(torch.uint8).reshape(*lead, n // 16, k // 64, 8, 4, 4, 4).view(torch.int32)
     words = words.squeeze(-1)  # [.., rg, kq, g, t, c]
     codes = torch.stack([torch.stack([torch.stack([_bits_code(words, 2 * j + h, b) for j in range(2)], -1)
                                       for b in range(2)], -2) for h in range(2)], -3)  # [.., h, b, j]
-    rows = pack_e2m1(_row_view(codes, n, k)).view(values.dtype)
-    return rows, _scales_from_fragments(scales)
+    return pack_e2m1(_row_view(codes, n, k)).view(values.dtype)
 
 
 def _scales_to_fragments(scales: torch.Tensor) -> torch.Tensor:
@@ -131,7 +135,8 @@ def _scales_to_fragments(scales: torch.Tensor) -> torch.Tensor:
     return s.contiguous().reshape(*lead, n, blocks).view(scales.dtype)
 
 
-def _scales_from_fragments(scales: torch.Tensor) -> torch.Tensor:
+def scales_from_fragments(scales: torch.Tensor) -> torch.Tensor:
+    """The checkpoint's scales ``[.., N, K/32]`` of scales in the fragment layout."""
     *lead, n, blocks = scales.shape
     d = len(lead)
     s = scales.view(torch.uint8).reshape(*lead, n // 16, blocks, 8, 2)  # rg block g h

@@ -13,7 +13,7 @@ import torch
 
 from ..config import WeightFormat
 from ..quant import e2m1_values, unpack_e2m1
-from .fp4_fragments import from_fragments, to_fragments
+from .fp4_fragments import scales_from_fragments, to_fragments, values_from_fragments
 
 SCALE_BLOCK = 32  # the K block of every scale (and the row block of FP8 tile scales)
 
@@ -60,12 +60,6 @@ class QuantizedWeight:
         """One matrix of a stack (a view: no copy)."""
         return QuantizedWeight(self.values[index], self.scales[index], self.fmt, self.fragments)
 
-    def in_rows(self) -> "QuantizedWeight":
-        """The checkpoint's layout: this weight, or a copy of it back from the fragment layout."""
-        if not self.fragments:
-            return self
-        return QuantizedWeight(*from_fragments(self.values, self.scales), self.fmt)
-
     def to_fragments(self) -> "QuantizedWeight":
         """Permute FP4 values and scales into the fragment layout in place, one matrix at a time (a
         stack never needs twice its memory)."""
@@ -84,11 +78,11 @@ class QuantizedWeight:
         """fp32 ``[.., N, K]``: the e4m3 / e2m1 values without their scales (exact)."""
         if self.fmt is WeightFormat.FP8:
             return self.values.float()
-        return e2m1_values(unpack_e2m1(self.in_rows().values))
+        return e2m1_values(unpack_e2m1(values_from_fragments(self.values) if self.fragments else self.values))
 
     def row_scales(self) -> torch.Tensor:
         """fp32 ``[.., N, K/32]``: the scale of every row and K block (FP8 tile scales repeated)."""
-        scales = self.in_rows().scales.float()
+        scales = (scales_from_fragments(self.scales) if self.fragments else self.scales).float()
         if self.fmt is WeightFormat.FP8:
             scales = scales.repeat_interleave(SCALE_BLOCK, dim=-2)[..., : self.out_features, :]
         return scales.contiguous()
