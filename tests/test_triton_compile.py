@@ -129,12 +129,13 @@ def main() -> int:
     types = {"q_ptr": "*bf16", "pool_ptr": "*bf16", "index_ptr": "*i32", "valid_ptr": "*u8", "sink_ptr": "*fp32",
              "out_ptr": "*bf16", "scale": "fp32", **scalars(sizes)}
     for head_dim in (512, 64):  # V4.1-Flash; the tiny models
-        check(f"sparse_attention D={head_dim}", attention._sparse_attention_kernel, types,
-              {"BLOCK_H": attention.BLOCK_H, "BLOCK_D": head_dim, "BLOCK_L": attention.BLOCK_L,
-               "EMPTY_MAX": attention.EMPTY_MAX, "INTERPRETED": False},
-              options={"num_warps": attention.NUM_WARPS, "num_stages": attention.NUM_STAGES, "enable_fp_fusion": False},
-              aligned=("q_ptr", "pool_ptr", "index_ptr", "valid_ptr", "sink_ptr", "out_ptr", *sizes.split()),
-              spill_free=True)
+        for block_h, warps in attention.HEAD_BLOCKS.items():
+            check(f"sparse_attention D={head_dim} heads/program={block_h}", attention._sparse_attention_kernel, types,
+                  {"BLOCK_H": block_h, "BLOCK_D": head_dim, "BLOCK_L": attention.BLOCK_L,
+                   "EMPTY_MAX": attention.EMPTY_MAX, "INTERPRETED": False},
+                  options={"num_warps": warps, "num_stages": attention.NUM_STAGES, "enable_fp_fusion": False},
+                  aligned=("q_ptr", "pool_ptr", "index_ptr", "valid_ptr", "sink_ptr", "out_ptr", *sizes.split()),
+                  spill_free=True)
 
     pointers = ("mix_ptr", "scale_ptr", "base_ptr", "pre_ptr", "post_ptr", "comb_ptr")
     check("split_sinkhorn hc=4", triton_sinkhorn._sinkhorn_kernel,

@@ -44,12 +44,12 @@ def as_pool(q, kv, valid, sink, scale):
     return q, kv.reshape(t * length, d), index, valid, sink, scale
 
 
-def kernel_output(inputs) -> torch.Tensor:
+def kernel_output(inputs, **options) -> torch.Tensor:
     """The kernel on ``device()``, its output back on the CPU (where the twin runs)."""
     from model.kernels.triton_sparse_attention import sparse_attention
 
     return sparse_attention(*(x.to(device()) if isinstance(x, torch.Tensor) else x
-                              for x in as_pool(*inputs))).cpu()
+                              for x in as_pool(*inputs)), **options).cpu()
 
 
 def random_inputs(t: int, h: int, d: int, length: int, seed: int, sharp: bool = False, device: str = "cpu"):
@@ -109,6 +109,17 @@ def test_matches_reference(shape, sharp):
         assert torch.equal(got[0], torch.zeros_like(got[0])), "a row without a valid entry must give zeros"
 
 
+@pytest.mark.parametrize("block_h", [16, 32])
+def test_every_head_block_matches_reference(block_h):
+    """Both program sizes of ``HEAD_BLOCKS``: 64 heads in 4 or 2 programs per row, 20 heads with a
+    partial last block."""
+    for shape in ((3, 64, 64, 200), (2, 20, 64, 128)):
+        inputs = random_inputs(*shape, seed=block_h + shape[1])
+        got = kernel_output(inputs, block_h=block_h)
+        ref = ReferenceKernels(batch_invariant=True).sparse_attention(*as_pool(*inputs))
+        assert (failure := mismatch(got, ref, *inputs)) is None, (shape, failure)
+
+
 def _mutated_reference(q, kv, valid, sink, scale, bug: str | None) -> torch.Tensor:
     """The twin's arithmetic written out, with one deliberate bug (None: the twin itself)."""
     t, h, d = q.shape
@@ -164,17 +175,18 @@ def test_padding_with_holes_changes_no_bit():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("block_h", [16, 32])
 @pytest.mark.parametrize("t", [1, 7, 64, 300])
-def test_real_shapes_on_gpu(t):
+def test_real_shapes_on_gpu(t, block_h):
     """V4.1-Flash: 64 heads of 512, lists of 128 window + 512 selected entries."""
-    from model.kernels.triton_backend import TritonKernels
+    from model.kernels.triton_sparse_attention import sparse_attention
 
     inputs = random_inputs(t, 64, 512, 640, seed=t, device="cuda")
-    got = TritonKernels().sparse_attention(*as_pool(*inputs))
+    got = sparse_attention(*as_pool(*inputs), block_h=block_h)
     ref = ReferenceKernels(batch_invariant=True).sparse_attention(*as_pool(*inputs))
     assert (failure := mismatch(got, ref, *inputs)) is None, failure
     for chosen in (slice(0, 1), slice(t - 1, t)):
-        assert torch.equal(TritonKernels().sparse_attention(*as_pool(*rows(inputs, chosen))), got[chosen]), chosen
+        assert torch.equal(sparse_attention(*as_pool(*rows(inputs, chosen)), block_h=block_h), got[chosen]), chosen
 
 
 def test_rows_shared_by_many_lists_are_read_from_one_pool():

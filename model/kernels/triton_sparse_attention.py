@@ -25,10 +25,14 @@ heads in both products.
 The products are taken transposed, ``scores^T = kv q^T`` ``[64, BLOCK_H]`` and ``out^T += kv^T p^T``
 ``[D, BLOCK_H]``: the 64 entries and the D features fill the tensor cores' 64-row side and the heads
 the narrow side, as ``triton_decode_mm`` does with tokens. Hopper's warpgroup instructions need
-multiples of 64 rows, which 16 heads would not give on the row side; 16 heads keep the accumulator
-at 64 fp32 registers per thread (D = 512, 4 warps) and give ``H / 16`` programs per row, so that a
-one-token decode step still spreads over a few SMs. A row's blocks are never split over programs:
-a split softmax would change the sums.
+multiples of 64 rows, which a block of heads would not give on the row side.
+
+How many heads a program takes (``HEAD_BLOCKS``): 32 heads with 8 warps keep the accumulator at 64
+fp32 registers per thread (D = 512) with no spill, and read each KV block once for 32 heads; 16
+heads with 4 warps (the first version) read every row four times for 64 heads, from L2, and issue
+narrower products (an 8K prefill's attention took 1.9x the time: ``docs/benchmarks.md``). 64 heads
+in one program would need 128 accumulator registers per thread even with 8 warps and spill in
+Triton's code. A row's blocks are never split over programs: a split softmax would change the sums.
 
 Every elementwise step is the twin's, in its order: fp32 fusion is off (the twin rounds each
 product and each sum), the division is IEEE's and ``exp`` is CUDA's ``expf`` (what torch runs).
@@ -56,9 +60,9 @@ import triton.language as tl
 from .triton_common import INTERPRETED, dot_bf16, exp_f32, to_bf16
 
 BLOCK_L = 64  # listed entries per online-softmax step: the twin's block
-BLOCK_H = 16  # heads per program: the narrow side of the products (tl.dot's minimum)
-NUM_WARPS = 4
-NUM_STAGES = 3  # KV blocks in flight: 3 x 64 KB of shared memory at D = 512 (210 KB with q and p)
+BLOCK_H = 32  # heads per program: the narrow side of the products (the module docstring says why 32)
+HEAD_BLOCKS = {16: 4, 32: 8}  # heads per program -> warps; 16 heads was the first version (kept for comparison)
+NUM_STAGES = 3  # KV blocks in flight: 3 x 64 KB of shared memory at D = 512 (168 KB with q and p at 32 heads)
 EMPTY_MAX = -1e30  # the twin's start of the running max: finite, so exp(old - new) is 0 on the first block
 
 
@@ -113,10 +117,11 @@ def _sparse_attention_kernel(q_ptr, pool_ptr, index_ptr, valid_ptr, sink_ptr, ou
 
 
 def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, valid: torch.Tensor,
-                     sink: torch.Tensor, scale: float) -> torch.Tensor:
+                     sink: torch.Tensor, scale: float, block_h: int = BLOCK_H) -> torch.Tensor:
     """q ``[T, H, D]`` bf16 over each row's listed KV rows ``pool[index[t]]`` (``pool [R, D]`` bf16,
     ``index [T, L]`` integer, ``valid [T, L]`` bool, False: a hole), with ``sink [H]`` fp32 ->
-    ``[T, H, D]`` bf16 (see the module docstring)."""
+    ``[T, H, D]`` bf16 (see the module docstring). ``block_h``: heads per program, a key of
+    ``HEAD_BLOCKS``."""
     t, h, d = q.shape
     length = index.shape[1]
     out = torch.empty(t, h, d, dtype=torch.bfloat16, device=q.device)
@@ -131,10 +136,10 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, v
         valid = valid.contiguous()
     valid = valid.view(torch.uint8)  # same bytes; a bool pointer is awkward in a kernel
     sink = sink.float().contiguous()
-    grid = (t * triton.cdiv(h, BLOCK_H),)  # a row's head blocks side by side: its KV rows are read together
+    grid = (t * triton.cdiv(h, block_h),)  # a row's head blocks side by side: its KV rows are read together
     _sparse_attention_kernel[grid](
         q, pool, index, valid, sink, out, float(scale), h, d, length,
         q.stride(0), q.stride(1), pool.stride(0), index.stride(0), valid.stride(0), out.stride(0), out.stride(1),
-        BLOCK_H=BLOCK_H, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_L=BLOCK_L, EMPTY_MAX=EMPTY_MAX,
-        INTERPRETED=INTERPRETED, num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False)
+        BLOCK_H=block_h, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_L=BLOCK_L, EMPTY_MAX=EMPTY_MAX,
+        INTERPRETED=INTERPRETED, num_warps=HEAD_BLOCKS[block_h], num_stages=NUM_STAGES, enable_fp_fusion=False)
     return out
