@@ -1,5 +1,5 @@
 """Helpers shared by the Triton kernels: exact FP8/FP4 rounding, codes and scales, exact bf16
-conversions, bf16 products and fp32 exp.
+conversions, bf16 products and fp32 exp; the GPU's SM count, by which launchers size their grids.
 
 Under Triton's interpreter (the CPU tests) two conversions differ from the GPU's (triton 3.9):
 16-bit dot operands are multiplied wrongly and fp32 -> bf16 truncates. ``INTERPRETED`` lets the
@@ -9,8 +9,10 @@ bits. The e4m3 rounding is always done on the bits, so it is exact on any backen
 
 from __future__ import annotations
 
+import functools
 import os
 
+import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
@@ -19,6 +21,16 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 FP4_MAX_INV = tl.constexpr(1.0 / 6.0)  # the kernels multiply by this fp32 constant (quant._FP4_MAX_INV)
 FP4_POW2_FLOOR = tl.constexpr(6 * 2.0 ** -126)  # the floors on a group maximum (quant.fp4_scale)
 FP4_E4M3_FLOOR = tl.constexpr(6 * 2.0 ** -9)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (an H200's 132 where there is no GPU: the interpreter)."""
+    return _sm_count(device.index or 0) if device.type == "cuda" else 132
 
 
 @triton.jit

@@ -25,7 +25,6 @@ uses ``bf16_mm`` at every M.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import triton
@@ -33,7 +32,7 @@ import triton.language as tl
 
 from ..config import WeightFormat
 from .tile_configs import DecodeConfig, decode_mm_config
-from .triton_common import INTERPRETED, quantize_groups_of_32, to_bf16
+from .triton_common import INTERPRETED, quantize_groups_of_32, sm_count, to_bf16
 from .triton_weight_tiles import FORMAT_CODES, weight_rows
 
 # the decode form takes M <= this (one token tile); at M = 256 it measured slower than the
@@ -96,16 +95,6 @@ def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLITS: tl.constexpr, OUT_F32: 
         tl.store(out_ptr + offs, total, mask=mask)
     else:
         tl.store(out_ptr + offs, to_bf16(total, EXACT_DOT), mask=mask)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (an H200's 132 where there is no GPU: the interpreter)."""
-    return _sm_count(device.index or 0) if device.type == "cuda" else 132
 
 
 SHARED_MEMORY_BYTES = 200 * 1024  # of the 227 KiB an H100/H200 block may use: room for the compiler's own

@@ -29,10 +29,14 @@ multiples of 64 rows, which a block of heads would not give on the row side.
 
 How many heads a program takes (``HEAD_BLOCKS``): 32 heads with 8 warps keep the accumulator at 64
 fp32 registers per thread (D = 512) with no spill, and read each KV block once for 32 heads; 16
-heads with 4 warps (the first version) read every row four times for 64 heads, from L2, and issue
-narrower products (an 8K prefill's attention took 1.9x the time: ``docs/benchmarks.md``). 64 heads
-in one program would need 128 accumulator registers per thread even with 8 warps and spill in
-Triton's code. A row's blocks are never split over programs: a split softmax would change the sums.
+heads with 4 warps read every row four times for 64 heads, from L2, and issue narrower products:
+1.2x slower from 64 rows up, but faster for a few rows, where 32 heads leave most SMs idle (on one
+H200: 51 against 76 µs at 8 rows, 93 against 81 µs at 64). ``sparse_attention`` takes 16 heads
+while that fills at most one wave of programs. Both give the same bits (each head's arithmetic is
+the same instruction sequence; ``test_real_shapes_on_gpu`` checks it), so the choice by T keeps
+rows independent of their batch. 64 heads in one program would need 128 accumulator registers per
+thread even with 8 warps, and spill in Triton's code. A row's blocks are never split over programs:
+a split softmax would change the sums.
 
 Every elementwise step is the twin's, in its order: fp32 fusion is off (the twin rounds each
 product and each sum), the division is IEEE's and ``exp`` is CUDA's ``expf`` (what torch runs).
@@ -57,11 +61,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRETED, dot_bf16, exp_f32, to_bf16
+from .triton_common import INTERPRETED, dot_bf16, exp_f32, sm_count, to_bf16
 
 BLOCK_L = 64  # listed entries per online-softmax step: the twin's block
-BLOCK_H = 32  # heads per program: the narrow side of the products (the module docstring says why 32)
-HEAD_BLOCKS = {16: 4, 32: 8}  # heads per program -> warps; 16 heads was the first version (kept for comparison)
+HEAD_BLOCKS = {16: 4, 32: 8}  # heads per program (the narrow side of the products) -> warps
 NUM_STAGES = 3  # KV blocks in flight: 3 x 64 KB of shared memory at D = 512 (168 KB with q and p at 32 heads)
 EMPTY_MAX = -1e30  # the twin's start of the running max: finite, so exp(old - new) is 0 on the first block
 
@@ -117,11 +120,11 @@ def _sparse_attention_kernel(q_ptr, pool_ptr, index_ptr, valid_ptr, sink_ptr, ou
 
 
 def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, valid: torch.Tensor,
-                     sink: torch.Tensor, scale: float, block_h: int = BLOCK_H) -> torch.Tensor:
+                     sink: torch.Tensor, scale: float, block_h: int | None = None) -> torch.Tensor:
     """q ``[T, H, D]`` bf16 over each row's listed KV rows ``pool[index[t]]`` (``pool [R, D]`` bf16,
     ``index [T, L]`` integer, ``valid [T, L]`` bool, False: a hole), with ``sink [H]`` fp32 ->
     ``[T, H, D]`` bf16 (see the module docstring). ``block_h``: heads per program, a key of
-    ``HEAD_BLOCKS``."""
+    ``HEAD_BLOCKS``; by default 16 while that makes at most one wave of programs, else 32."""
     t, h, d = q.shape
     length = index.shape[1]
     out = torch.empty(t, h, d, dtype=torch.bfloat16, device=q.device)
@@ -136,6 +139,8 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, v
         valid = valid.contiguous()
     valid = valid.view(torch.uint8)  # same bytes; a bool pointer is awkward in a kernel
     sink = sink.float().contiguous()
+    if block_h is None:
+        block_h = 16 if t * triton.cdiv(h, 16) <= sm_count(q.device) else 32
     grid = (t * triton.cdiv(h, block_h),)  # a row's head blocks side by side: its KV rows are read together
     _sparse_attention_kernel[grid](
         q, pool, index, valid, sink, out, float(scale), h, d, length,
