@@ -34,13 +34,16 @@ def run_tune(bench, ms: list[int]) -> None:
     tables = _tables()
     decode_cfgs = [tables.DecodeConfig(bw, bk, bw // 16, st, pps) for bw in (64, 128) for bk in (128, 256)
                    for st in (3, 4) for pps in (2, 4, 8)]
+    # the FP8 linears' kernel: one 32-column scale block per step
+    fp8_cfgs = [tables.DecodeConfig(bw, 32, warps, st, pps) for bw in (128, 256) for warps in (4, 8)
+                for st in (3, 5) for pps in (2, 4, 8)]
     moe_cfgs = [tables.TileConfig(bm, bn, warps, st) for bm in (16, 32) for bn in (64, 128) for warps in (4, 8)
                 for st in (2, 3, 4)]
     # prefill: tens of tokens per expert; wider token tiles for the tensor cores
     moe_prefill_cfgs = [tables.TileConfig(bm, bn, warps, st) for bm in (64, 128) for bn in (128, 256)
                         for warps in (4, 8) for st in (2, 3)]
     if bench.args.tiny:
-        decode_cfgs, moe_cfgs = decode_cfgs[1::5], moe_cfgs[1::5]  # the logic, not the numbers
+        decode_cfgs, moe_cfgs, fp8_cfgs = decode_cfgs[1::5], moe_cfgs[1::5], fp8_cfgs[1::5]  # the logic, not the numbers
         moe_prefill_cfgs = moe_prefill_cfgs[1::5]
     budget = (bench.budget_fast[0] * 0.4, bench.budget_fast[1], bench.budget_fast[2])
     for m in ms:
@@ -54,8 +57,9 @@ def run_tune(bench, ms: list[int]) -> None:
                 fn = bench.tk.grouped_dequantized_linear if spec.groups > 1 else bench.tk.quantized_linear
                 nbytes, flops = linear_bytes(spec, m, ws[0])
                 limit_s = limit_of(nbytes, flops, bench.ceil)[2]
-                default = tables.decode_mm_config(m)
-                _sweep(bench, spec.name, m, limit_s, default, decode_cfgs, "decode",
+                table, cfgs = ("decode", decode_cfgs) if spec.groups > 1 else ("fp8_decode", fp8_cfgs)
+                default = (tables.decode_mm_config if spec.groups > 1 else tables.fp8_decode_config)(m)
+                _sweep(bench, spec.name, m, limit_s, default, cfgs, table,
                        lambda i: fn(xs[i % nx], ws[i % len(ws)]), budget)
                 del xs
         sets = bench.routing_sets(m, 8)
@@ -73,7 +77,7 @@ def run_tune(bench, ms: list[int]) -> None:
 def _sweep(bench, name, m, limit_s, default, cfgs, table, call, budget) -> None:
     base = call(0)
     base_s = bench.measure_triton(call, budget, True).median_s
-    entry = {"kernel": name, "m": m, "default": asdict(default), "default_s": base_s, "limit_s": limit_s,
+    entry = {"kernel": name, "table": table, "m": m, "default": asdict(default), "default_s": base_s, "limit_s": limit_s,
              "configs": []}
     best = (base_s, default)
     for cfg in cfgs:
@@ -84,7 +88,7 @@ def _sweep(bench, name, m, limit_s, default, cfgs, table, call, budget) -> None:
             except Exception as exc:  # e.g. out of shared memory
                 entry["configs"].append({"config": asdict(cfg), "error": f"{type(exc).__name__}: {exc}"[:200]})
                 continue
-        if table == "decode":  # another split: another summation order
+        if table != "moe":  # another split: another summation order
             err = rel_err(out, base)
             entry["configs"].append({"config": asdict(cfg), "s": t, "rel_err_to_default": err})
             if not err <= MAX_REL_ERR:
@@ -103,18 +107,20 @@ def _sweep(bench, name, m, limit_s, default, cfgs, table, call, budget) -> None:
 
 
 @contextlib.contextmanager
-def override_tables(moe=None, decode=None):
-    """Every M takes ``moe`` / ``decode`` while inside (the tables are read at each call)."""
+def override_tables(moe=None, decode=None, fp8_decode=None):
+    """Every M takes ``moe`` / ``decode`` / ``fp8_decode`` while inside (the tables are read at each call)."""
     tables = _tables()
-    saved = tables._MOE_TABLE, tables._DECODE_MM_TABLE
+    saved = tables._MOE_TABLE, tables._DECODE_MM_TABLE, tables._FP8_DECODE_TABLE
     try:
         if moe is not None:
             tables._MOE_TABLE = ((1 << 62, moe),)
         if decode is not None:
             tables._DECODE_MM_TABLE = ((1 << 62, decode),)
+        if fp8_decode is not None:
+            tables._FP8_DECODE_TABLE = ((1 << 62, fp8_decode),)
         yield
     finally:
-        tables._MOE_TABLE, tables._DECODE_MM_TABLE = saved
+        tables._MOE_TABLE, tables._DECODE_MM_TABLE, tables._FP8_DECODE_TABLE = saved
 
 
 def cfg_text(cfg) -> str:
@@ -135,10 +141,10 @@ def tune_markdown(bench) -> str:
                      f"| {cfg_text(e['best'])} | {us(e['best_s'])} | {e['default_s'] / e['best_s']:.2f}x "
                      f"| {e['limit_s'] / e['best_s']:.0%} |")
     # the tables are keyed by M only: the config with the least total time over the GEMMs of each M
-    lines += ["", "Best single config per M (sum over the FP8 GEMMs / the experts):", ""]
-    for table in ("decode", "moe"):
+    lines += ["", "Best single config per M and table (sum over its GEMMs: the FP8 linears, wo_a, the experts):", ""]
+    for table in ("fp8_decode", "decode", "moe"):
         for m in sorted({e["m"] for e in bench.tune}):
-            entries = [e for e in bench.tune if e["m"] == m and (e["kernel"] == "moe.experts") == (table == "moe")]
+            entries = [e for e in bench.tune if e["m"] == m and e["table"] == table]
             totals: dict[str, float] = {}
             ok = {}
             for e in entries:

@@ -211,10 +211,12 @@ def test_decode_form_matches_reference(max_splits, m, monkeypatch):
 
     cfg = tile_configs.DecodeConfig(64, 64, 4, 3, programs_per_sm=64, max_splits=max_splits)
     monkeypatch.setattr(tile_configs, "_DECODE_MM_TABLE", ((64, cfg),))
+    fp8_cfg = tile_configs.DecodeConfig(64, 32, 4, 3, programs_per_sm=64, max_splits=max_splits)
+    monkeypatch.setattr(tile_configs, "_FP8_DECODE_TABLE", ((64, fp8_cfg),))
     gen = torch.Generator().manual_seed(m)
     kernels, reference = TritonKernels(), ReferenceKernels(batch_invariant=False)
     n, k = 96, 224
-    assert triton_decode_mm.split_count(cfg, n, k, 1, 132)[0] == min(max_splits, 4)
+    assert triton_decode_mm.split_count(fp8_cfg, n, k, 1, 132)[0] == min(max_splits, 7)
     weight = random_weight(WeightFormat.FP8, n, k, gen)
     x = (torch.randn(m, k, generator=gen) * 2).bfloat16()
     ref = reference.quantized_linear(x, weight)  # first: .to(device) moves the weight

@@ -79,14 +79,25 @@ class DecodeConfig:
     max_splits: int = 64
 
 
-# (largest M, config)
-# (largest M, config): the best single config over a layer's FP8 linears in the sweep of
-# ``benchmarks/kernels.py --tune`` on one H200 (docs/benchmarks.md)
+# (largest M, config): ``decode_mm`` (the grouped wo_a, the bf16 head), the best single config over a
+# layer's FP8 linears in the sweep of ``benchmarks/kernels.py --tune`` on one H200 (docs/benchmarks.md)
+# when they all took this kernel
 _DECODE_MM_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
     (16, DecodeConfig(64, 128, 4, 3, 4)),
     (64, DecodeConfig(128, 256, 8, 3, 2)),
 )
 
 
+# the FP8 linears' kernel (``fp8_decode_mm``) steps one scale block of 32 columns at a time
+_FP8_DECODE_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
+    (16, DecodeConfig(256, 32, 4, 4, 4)),
+    (64, DecodeConfig(256, 32, 8, 4, 2)),
+)
+
+
 def decode_mm_config(m: int) -> DecodeConfig:
     return _pick(_DECODE_MM_TABLE, m)
+
+
+def fp8_decode_config(m: int) -> DecodeConfig:
+    return _pick(_FP8_DECODE_TABLE, m)

@@ -15,7 +15,7 @@ from .fp4_fragments import fragments_exact, fragments_fit
 from .reference import ReferenceKernels
 from .triton_bf16_mm import bf16_mm
 from .triton_decode_mm import MAX_TOKENS as DECODE_MAX_TOKENS
-from .triton_decode_mm import decode_mm
+from .triton_decode_mm import decode_mm, fp8_decode_mm
 from .triton_moe import BLOCK_K as MOE_BLOCK_K
 from .triton_moe import fused_experts
 from .triton_moe_sum import moe_sum, swiglu
@@ -54,7 +54,7 @@ class TritonKernels(KernelBackend):
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         if weight.fmt is WeightFormat.FP8 and self._decode_form(rows.shape[0]):
-            out = decode_mm(rows, weight.values, weight.scales, weight.fmt, quantize_activation=True)
+            out = fp8_decode_mm(rows, weight.values, weight.scales)
         elif weight.fmt is WeightFormat.FP8:  # the faster kernel for FP8 (triton_bf16_mm's docstring)
             out = bf16_mm(act_quant_bf16(rows), weight.values, weight.scales, weight.fmt)
         else:

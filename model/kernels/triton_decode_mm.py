@@ -1,21 +1,28 @@
-"""Decode form of the bf16-operand products: a few tokens, the weight streamed by many programs.
+"""Decode form of the products: a few tokens, the weight streamed by many programs.
 
-``decode_mm`` computes what ``triton_bf16_mm.bf16_mm`` computes (the FP8 linears, the grouped
-``wo_a``, the bf16 head; same layouts, same twins in ``reference.py``) for the small M of decode
-steps, where the weight's bytes are the whole cost. Three changes make it stream the weight near the
-memory bandwidth instead of waiting on one small tile at a time:
+Two kernels, for the small M of decode steps, where the weight's bytes are the whole cost:
+
+* ``fp8_decode_mm``: the FP8 linears (``quantized_linear``: the activation's FP8 round trip per 32
+  times an FP8 weight), in the reference's order (``model/gemm.py``'s ``block_scaled_linear``): per
+  block of 32 columns, the products of the *unscaled* e4m3 values (exact in fp16, summed in fp32 by
+  the tensor cores), times the activation's scale, times the weight's, added to the row's sum block
+  after block. The weight bytes go from shared memory to fp16 registers by one conversion per pair
+  of values and feed the tensor cores from there; the scales touch only the 16-64 accumulators of a
+  thread per block. The first version expanded every weight value to bf16 with its scale applied
+  (``_decode_mm_kernel``, still used for the other products) and redid the activation's round trip
+  in every warp: ~22 instructions per weight byte in its inner loop where the HBM bandwidth leaves
+  an SM time for ~8; this loop takes ~5 (SASS counts, 256 rows x 16 tokens).
+* ``decode_mm``: the other bf16-operand products (the grouped ``wo_a`` with its bf16 activation,
+  the bf16 head), what ``triton_bf16_mm.bf16_mm`` computes, with the weight tile expanded to bf16.
+
+Both take the products transposed and split K:
 
 * operands swapped (``C^T = W a^T``): weight rows fill the tensor cores' 64-row side, the tokens
   (16 to 64, padded) the narrow side, so no instruction row is wasted on absent tokens;
-* wide K steps (``block_k`` 128-256 columns: 8-32 KB of weight per step per program, several steps
-  in flight);
 * split-K: K is cut into ``splits`` equal ranges so that there are a few programs per SM even for
-  the narrow matrices (``wkv`` has 8 tiles of 64 rows). Each program writes its fp32 partial sums;
+  the narrow matrices (``wkv`` has 2 tiles of 256 rows). Each program writes its fp32 partial sums;
   ``_sum_splits_kernel`` adds them in split order (deterministic: the same inputs give the same
   bits on every run) and rounds once. One split writes the output directly.
-
-For the FP8 linears the activation's FP8 round trip per 32 (``act_quant_bf16``, exact) is done in
-the prologue of each K step instead of in a separate launch.
 
 Not batch invariant: the split, and the summation order it implies, depend on the shape, and the
 prefill form (``bf16_mm``) sums K in one pass. ``TritonKernels(batch_invariant=True)`` therefore
@@ -31,7 +38,7 @@ import triton
 import triton.language as tl
 
 from ..config import WeightFormat
-from .tile_configs import DecodeConfig, decode_mm_config
+from .tile_configs import DecodeConfig, decode_mm_config, fp8_decode_config
 from .triton_common import INTERPRETED, quantize_groups_of_32, sm_count, to_bf16
 from .triton_weight_tiles import FORMAT_CODES, weight_rows
 
@@ -41,17 +48,42 @@ MAX_TOKENS = 64
 
 
 @triton.jit
-def _fp8_round_trip(a, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
-    """bf16 ``[BLOCK_T, BLOCK_K]`` -> its FP8 round trip per 32 along K, in bf16 (exact)."""
-    q, scale = quantize_groups_of_32(a.to(tl.float32), BLOCK_T, BLOCK_K)
-    y = tl.reshape(q, (BLOCK_T, BLOCK_K // 32, 32)) * scale[:, :, None]
-    return tl.reshape(y, (BLOCK_T, BLOCK_K)).to(tl.bfloat16)  # e4m3 times a power of two: exact
+def _fp8_decode_mm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
+                          stride_am, stride_wn, stride_sn, stride_os, stride_om,
+                          BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, PARTIAL: tl.constexpr,
+                          EXACT_DOT: tl.constexpr):
+    pid_w, split = tl.program_id(0), tl.program_id(1)
+    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)  # output features (weight rows)
+    offs_t = tl.arange(0, BLOCK_T)  # tokens
+    offs_c = tl.arange(0, 32)  # the columns of one scale block
+    row_ok = offs_w < N
+    acc = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
+    k_begin = split * k_per_split
+    for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), 32):  # one scale block per step
+        a = tl.load(a_ptr + offs_t[:, None] * stride_am + (k0 + offs_c)[None, :], mask=offs_t[:, None] < M, other=0.0)
+        q, a_scale = quantize_groups_of_32(a.to(tl.float32), BLOCK_T, 32)  # e4m3 values [T, 32], scales [T, 1]
+        raw = tl.load(w_ptr + offs_w[:, None] * stride_wn + (k0 + offs_c)[None, :], mask=row_ok[:, None], other=0)
+        e = tl.load(s_ptr + (offs_w // 32) * stride_sn + k0 // 32, mask=row_ok, other=0).to(tl.int32)
+        w_scale = (e << 23).to(tl.float32, bitcast=True)  # UE8M0 byte e -> 2**(e - 127)
+        if EXACT_DOT:  # the interpreter multiplies 16-bit dot operands wrongly; fp32 gives the same exact products
+            w = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            part = tl.dot(w, tl.trans(q), input_precision="ieee")
+        else:  # e4m3 values are exact in fp16: one conversion per pair of bytes, no scale in the loop over values
+            w = raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            part = tl.dot(w, tl.trans(q.to(tl.float16)))
+        acc += part * tl.reshape(a_scale, (BLOCK_T,))[None, :] * w_scale[:, None]  # the reference's order
+    mask = (offs_t[None, :] < M) & row_ok[:, None]
+    out_ptr += split * stride_os + offs_t[None, :] * stride_om + offs_w[:, None]
+    if PARTIAL:
+        tl.store(out_ptr, acc, mask=mask)
+    else:
+        tl.store(out_ptr, to_bf16(acc, EXACT_DOT), mask=mask)
 
 
 @triton.jit
 def _decode_mm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
                       stride_am, stride_ag, stride_wn, stride_wg, stride_sn, stride_sg, stride_os, stride_om,
-                      B_FMT: tl.constexpr, QUANT_A: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+                      B_FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
                       BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, OUT_F32: tl.constexpr,
                       EXACT_DOT: tl.constexpr):
     pid_w, split, group = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -66,8 +98,6 @@ def _decode_mm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptr + offs_t[:, None] * stride_am + offs_k[None, :],
                     mask=(offs_t[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-        if QUANT_A:
-            a = _fp8_round_trip(a, BLOCK_T, BLOCK_K)
         w = weight_rows(w_ptr, s_ptr, offs_w, k0, N, K, stride_wn, stride_sn, B_FMT, BLOCK_W, BLOCK_K,
                         False, EXACT_DOT)
         if EXACT_DOT:  # the interpreter multiplies 16-bit dot operands wrongly; fp32 gives the same exact products
@@ -118,16 +148,52 @@ def split_count(cfg: DecodeConfig, n: int, k: int, groups: int, sms: int) -> tup
     return triton.cdiv(steps, steps_per_split), steps_per_split * cfg.block_k
 
 
+def _sum_splits(partials: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    numel, block = out.numel(), 1024
+    _sum_splits_kernel[(triton.cdiv(numel, block),)](partials, out, numel, SPLITS=partials.shape[0],
+                                                     OUT_F32=out.dtype == torch.float32, BLOCK=block,
+                                                     EXACT_DOT=INTERPRETED, num_warps=4)
+    return out
+
+
+def _check_rows(m: int) -> None:
+    if m > MAX_TOKENS:
+        raise ValueError(f"the decode form takes at most {MAX_TOKENS} rows, got {m}")
+
+
+def fp8_decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``a [M, K]`` bf16 (M <= ``MAX_TOKENS``, K a multiple of 32) through its FP8 round trip per 32,
+    times the FP8 weight ``values [N, K]`` with its UE8M0 ``scales [N/32, K/32]`` -> ``[M, N]`` bf16."""
+    m, k = a.shape
+    n = values.shape[0]
+    _check_rows(m)
+    if k % 32:
+        raise ValueError(f"FP8 linears take K a multiple of 32, got {k}")
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+    if m == 0:
+        return out
+    if a.stride(1) != 1:
+        a = a.contiguous()
+    block_t = max(16, triton.next_power_of_2(m))
+    cfg = fp8_decode_config(m)
+    splits, k_per_split = split_count(cfg, n, k, 1, sm_count(a.device))
+    w, s = values.view(torch.uint8), scales.view(torch.uint8)
+    target = torch.empty(splits, m, n, dtype=torch.float32, device=a.device) if splits > 1 else out
+    _fp8_decode_mm_kernel[(triton.cdiv(n, cfg.block_w), splits)](
+        a, w, s, target, m, n, k, k_per_split, a.stride(0), w.stride(0), s.stride(0), m * n, n,
+        BLOCK_T=block_t, BLOCK_W=cfg.block_w, PARTIAL=splits > 1, EXACT_DOT=INTERPRETED,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return _sum_splits(target, out) if splits > 1 else out
+
+
 def decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None, fmt: WeightFormat,
-              groups: int = 1, out_dtype: torch.dtype = torch.bfloat16, quantize_activation: bool = False) -> torch.Tensor:
+              groups: int = 1, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``a [M, G*K]`` bf16 (M <= ``MAX_TOKENS``; group g reads columns g*K..) times ``W [G*N, K]``
-    (FP8, or BF16 with ``scales`` None) -> ``[M, G*N]`` in ``out_dtype``. ``quantize_activation``:
-    multiply ``a``'s FP8 round trip per 32 (what ``act_quant_bf16`` gives) instead of ``a``."""
+    (FP8 expanded with its scales, or BF16 with ``scales`` None) -> ``[M, G*N]`` in ``out_dtype``."""
     m = a.shape[0]
     k = a.shape[1] // groups
     n = values.shape[0] // groups
-    if m > MAX_TOKENS:
-        raise ValueError(f"decode_mm takes at most {MAX_TOKENS} rows, got {m}")
+    _check_rows(m)
     out = torch.empty(m, groups * n, dtype=out_dtype, device=a.device)
     if m == 0:
         return out
@@ -147,12 +213,7 @@ def decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None
         a, w, s, target, m, n, k, k_per_split,
         a.stride(0), k, w.stride(0), n * w.stride(0), s.stride(0), scale_rows_per_group * s.stride(0),
         m * groups * n if partial else 0, groups * n,
-        B_FMT=FORMAT_CODES[fmt], QUANT_A=quantize_activation, BLOCK_T=block_t, BLOCK_W=cfg.block_w,
+        B_FMT=FORMAT_CODES[fmt], BLOCK_T=block_t, BLOCK_W=cfg.block_w,
         BLOCK_K=cfg.block_k, PARTIAL=partial, OUT_F32=out_dtype == torch.float32, EXACT_DOT=INTERPRETED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if partial:
-        numel, block = out.numel(), 1024
-        _sum_splits_kernel[(triton.cdiv(numel, block),)](target, out, numel, SPLITS=splits,
-                                                         OUT_F32=out_dtype == torch.float32, BLOCK=block,
-                                                         EXACT_DOT=INTERPRETED, num_warps=4)
-    return out
+    return _sum_splits(target, out) if partial else out
