@@ -125,7 +125,8 @@ def main() -> int:
             types = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*fp32" if partial else "*bf16",
                      **scalars(fp8_names)}
             check(f"fp8_decode_mm partial={partial} {cfg}", triton_decode_mm._fp8_decode_mm_kernel, types,
-                  {"BLOCK_T": max(16, bound), "BLOCK_W": cfg.block_w, "PARTIAL": partial, "EXACT_DOT": False}, cfg,
+                  {"BLOCK_T": max(16, bound), "BLOCK_W": cfg.block_w, "BLOCK_K": cfg.block_k, "PARTIAL": partial,
+                   "EXACT_DOT": False}, cfg,
                   aligned=("a_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "K", "k_per_split", "stride_am", "stride_wn",
                            "stride_os", "stride_om"), spill_free=True)
     for out_f32 in (False, True):
@@ -150,7 +151,7 @@ def main() -> int:
     check("split_sinkhorn hc=4", triton_sinkhorn._sinkhorn_kernel,
           {**{name: "*fp32" for name in pointers}, **scalars("T stride_mix iters"), "eps": "fp32"},
           {"HC": 4, "BLOCK_T": triton_sinkhorn.BLOCK_T, "INTERPRETED": False},
-          options={"enable_fp_fusion": False}, wgmma=False)
+          options={"num_warps": triton_sinkhorn.NUM_WARPS, "enable_fp_fusion": False}, wgmma=False)
     for group, e4m3_scale, block_k in ((32, False, 128), (16, True, 512)):  # index keys/queries; compressed KV
         check(f"fp4_round_trip group={group}", triton_fp4_round_trip._fp4_round_trip_kernel,
               {"x_ptr": "*i16", "out_ptr": "*bf16", **scalars("R K stride_x stride_o")},

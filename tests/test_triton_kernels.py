@@ -203,20 +203,20 @@ def test_head_logits_match_reference():
 
 
 @pytest.mark.parametrize("max_splits", [1, 64])  # one split (direct store) / several splits (partials)
-@pytest.mark.parametrize("m", [1, 7, 33])
-def test_decode_form_matches_reference(max_splits, m, monkeypatch):
+@pytest.mark.parametrize("m,fp8_step", [(1, 32), (7, 128), (33, 64)])  # FP8: 1, 4 or 2 scale blocks per step
+def test_decode_form_matches_reference(max_splits, m, fp8_step, monkeypatch):
     """The split-K decode form (M <= 64) of every bf16-operand product against its reference twin."""
     from model.kernels import tile_configs, triton_decode_mm
     from model.kernels.triton_backend import TritonKernels
 
     cfg = tile_configs.DecodeConfig(64, 64, 4, 3, programs_per_sm=64, max_splits=max_splits)
     monkeypatch.setattr(tile_configs, "_DECODE_MM_TABLE", ((64, cfg),))
-    fp8_cfg = tile_configs.DecodeConfig(64, 32, 4, 3, programs_per_sm=64, max_splits=max_splits)
+    fp8_cfg = tile_configs.DecodeConfig(64, fp8_step, 4, 3, programs_per_sm=64, max_splits=max_splits)
     monkeypatch.setattr(tile_configs, "_FP8_DECODE_TABLE", ((64, fp8_cfg),))
     gen = torch.Generator().manual_seed(m)
     kernels, reference = TritonKernels(), ReferenceKernels(batch_invariant=False)
-    n, k = 96, 224
-    assert triton_decode_mm.split_count(fp8_cfg, n, k, 1, 132)[0] == min(max_splits, 7)
+    n, k = 96, 256
+    assert triton_decode_mm.split_count(fp8_cfg, n, k, 1, 132)[0] == min(max_splits, k // fp8_step)
     weight = random_weight(WeightFormat.FP8, n, k, gen)
     x = (torch.randn(m, k, generator=gen) * 2).bfloat16()
     ref = reference.quantized_linear(x, weight)  # first: .to(device) moves the weight

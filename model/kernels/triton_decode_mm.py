@@ -50,7 +50,7 @@ MAX_TOKENS = 64
 @triton.jit
 def _fp8_decode_mm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
                           stride_am, stride_wn, stride_sn, stride_os, stride_om,
-                          BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, PARTIAL: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
                           EXACT_DOT: tl.constexpr):
     pid_w, split = tl.program_id(0), tl.program_id(1)
     offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)  # output features (weight rows)
@@ -59,19 +59,22 @@ def _fp8_decode_mm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
     row_ok = offs_w < N
     acc = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
     k_begin = split * k_per_split
-    for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), 32):  # one scale block per step
-        a = tl.load(a_ptr + offs_t[:, None] * stride_am + (k0 + offs_c)[None, :], mask=offs_t[:, None] < M, other=0.0)
-        q, a_scale = quantize_groups_of_32(a.to(tl.float32), BLOCK_T, 32)  # e4m3 values [T, 32], scales [T, 1]
-        raw = tl.load(w_ptr + offs_w[:, None] * stride_wn + (k0 + offs_c)[None, :], mask=row_ok[:, None], other=0)
-        e = tl.load(s_ptr + (offs_w // 32) * stride_sn + k0 // 32, mask=row_ok, other=0).to(tl.int32)
-        w_scale = (e << 23).to(tl.float32, bitcast=True)  # UE8M0 byte e -> 2**(e - 127)
-        if EXACT_DOT:  # the interpreter multiplies 16-bit dot operands wrongly; fp32 gives the same exact products
-            w = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            part = tl.dot(w, tl.trans(q), input_precision="ieee")
-        else:  # e4m3 values are exact in fp16: one conversion per pair of bytes, no scale in the loop over values
-            w = raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            part = tl.dot(w, tl.trans(q.to(tl.float16)))
-        acc += part * tl.reshape(a_scale, (BLOCK_T,))[None, :] * w_scale[:, None]  # the reference's order
+    for k_step in range(k_begin, tl.minimum(k_begin + k_per_split, K), BLOCK_K):
+        for block in tl.static_range(BLOCK_K // 32):  # the step's scale blocks, in order (K % BLOCK_K == 0)
+            k0 = k_step + block * 32
+            a = tl.load(a_ptr + offs_t[:, None] * stride_am + (k0 + offs_c)[None, :], mask=offs_t[:, None] < M,
+                        other=0.0)
+            q, a_scale = quantize_groups_of_32(a.to(tl.float32), BLOCK_T, 32)  # e4m3 values [T, 32], scales [T, 1]
+            raw = tl.load(w_ptr + offs_w[:, None] * stride_wn + (k0 + offs_c)[None, :], mask=row_ok[:, None], other=0)
+            e = tl.load(s_ptr + (offs_w // 32) * stride_sn + k0 // 32, mask=row_ok, other=0).to(tl.int32)
+            w_scale = (e << 23).to(tl.float32, bitcast=True)  # UE8M0 byte e -> 2**(e - 127)
+            if EXACT_DOT:  # the interpreter multiplies 16-bit dot operands wrongly; fp32: the same exact products
+                w = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                part = tl.dot(w, tl.trans(q), input_precision="ieee")
+            else:  # e4m3 values are exact in fp16: one conversion per pair of bytes, no scale on the values
+                w = raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+                part = tl.dot(w, tl.trans(q.to(tl.float16)))
+            acc += part * tl.reshape(a_scale, (BLOCK_T,))[None, :] * w_scale[:, None]  # the reference's order
     mask = (offs_t[None, :] < M) & row_ok[:, None]
     out_ptr += split * stride_os + offs_t[None, :] * stride_om + offs_w[:, None]
     if PARTIAL:
@@ -176,12 +179,14 @@ def fp8_decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -
         a = a.contiguous()
     block_t = max(16, triton.next_power_of_2(m))
     cfg = fp8_decode_config(m)
+    while k % cfg.block_k:  # whole steps (the tables' steps divide every V4.1 K)
+        cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2)
     splits, k_per_split = split_count(cfg, n, k, 1, sm_count(a.device))
     w, s = values.view(torch.uint8), scales.view(torch.uint8)
     target = torch.empty(splits, m, n, dtype=torch.float32, device=a.device) if splits > 1 else out
     _fp8_decode_mm_kernel[(triton.cdiv(n, cfg.block_w), splits)](
         a, w, s, target, m, n, k, k_per_split, a.stride(0), w.stride(0), s.stride(0), m * n, n,
-        BLOCK_T=block_t, BLOCK_W=cfg.block_w, PARTIAL=splits > 1, EXACT_DOT=INTERPRETED,
+        BLOCK_T=block_t, BLOCK_W=cfg.block_w, BLOCK_K=cfg.block_k, PARTIAL=splits > 1, EXACT_DOT=INTERPRETED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return _sum_splits(target, out) if splits > 1 else out
 

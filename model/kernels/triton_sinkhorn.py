@@ -11,6 +11,14 @@ divisions on ``[T, 4, 4]``), two calls per layer, so a one-token decode step of 
 spends more time launching them than anything else. Here one launch does a block of tokens, each
 token's 24 values held in registers throughout.
 
+Two tokens per program, one warp: one comb value per thread. The iterations are a serial chain
+(two 4-value sums by shuffles, two IEEE divisions each), so a program's time is its warp's
+instruction count times the latency between dependent instructions, nothing hides it. The first
+version put 64 tokens on 4 warps (8 values per thread, 322 instructions per iteration): 15 µs for
+a one-token decode step, twice per layer. With one value per thread an iteration is 43
+instructions (SASS count). The block is the same at every T, so a token's bits never depend on the
+batch; a long prefill fills the GPU with one-warp programs (up to 32 per SM).
+
 Layouts: mixes ``[T, (2 + hc) * hc]`` fp32 (last dim contiguous), scale ``[3]`` and base ``[(2 +
 hc) * hc]`` fp32; out pre ``[T, hc]``, post ``[T, hc]``, comb ``[T, hc, hc]`` fp32, contiguous.
 ``hc`` must be a power of two (V4.1: 4).
@@ -30,8 +38,8 @@ import triton.language as tl
 
 from .triton_common import INTERPRETED, exp_f32
 
-BLOCK_T = 64  # tokens per program
-NUM_WARPS = 4
+BLOCK_T = 2  # tokens per program: one comb value per thread (the module docstring says why)
+NUM_WARPS = 1
 
 
 @triton.jit
