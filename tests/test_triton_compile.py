@@ -45,7 +45,7 @@ def main() -> int:
     from triton.compiler import ASTSource
 
     from model.cache_formats import COMPRESSED_KV, INDEX_KEYS, WINDOW_KV
-    from model.kernels import (tile_configs, triton_bf16_mm, triton_cache_codec, triton_decode_mm,
+    from model.kernels import (tile_configs, triton_align_pairs, triton_bf16_mm, triton_cache_codec, triton_decode_mm,
                                triton_fp4_round_trip, triton_index_scores, triton_mhc, triton_moe, triton_moe_sum,
                                triton_rms_norm, triton_rope, triton_scaled_mm, triton_sinkhorn, triton_sparse_attention)
 
@@ -121,12 +121,12 @@ def main() -> int:
                    "BLOCK_K": cfg.block_k, "PARTIAL": partial, "OUT_F32": out_f32, "EXACT_DOT": False}, cfg)
     fp8_names = "M N K k_per_split stride_am stride_wn stride_sn stride_os stride_om"
     for bound, cfg in tile_configs._FP8_DECODE_TABLE:
-        for partial in (True, False):
+        for block_t, partial in ((16, True), (bound, True), (bound, False)):  # the smallest and largest token tile
             types = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*fp32" if partial else "*bf16",
                      **scalars(fp8_names)}
-            check(f"fp8_decode_mm partial={partial} {cfg}", triton_decode_mm._fp8_decode_mm_kernel, types,
-                  {"BLOCK_T": max(16, bound), "BLOCK_W": cfg.block_w, "BLOCK_K": cfg.block_k, "PARTIAL": partial,
-                   "EXACT_DOT": False}, cfg,
+            check(f"fp8_decode_mm tokens={block_t} partial={partial} {cfg}", triton_decode_mm._fp8_decode_mm_kernel,
+                  types, {"BLOCK_T": block_t, "BLOCK_W": cfg.block_w, "BLOCK_K": cfg.block_k, "PARTIAL": partial,
+                          "EXACT_DOT": False}, cfg,
                   aligned=("a_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "K", "k_per_split", "stride_am", "stride_wn",
                            "stride_os", "stride_om"), spill_free=True)
     for out_f32 in (False, True):
@@ -146,6 +146,12 @@ def main() -> int:
                   options={"num_warps": warps, "num_stages": attention.NUM_STAGES, "enable_fp_fusion": False},
                   aligned=("q_ptr", "pool_ptr", "index_ptr", "valid_ptr", "sink_ptr", "out_ptr", *sizes.split()),
                   spill_free=True)
+
+    outputs = ("sorted_ptr", "start_ptr", "count_ptr", "block_expert_ptr", "block_index_ptr")
+    check("align_pairs E=384", triton_align_pairs._align_pairs_kernel,
+          {"expert_ptr": "*i64", **{name: "*i64" for name in outputs}, "cursor_ptr": "*i32",
+           "block_start_ptr": "*i32", **scalars("P E NB block_m")},
+          {"BINS": 512, "CHUNK": triton_align_pairs.CHUNK, "BLOCK_CHUNK": triton_align_pairs.BLOCK_CHUNK}, wgmma=False)
 
     pointers = ("mix_ptr", "scale_ptr", "base_ptr", "pre_ptr", "post_ptr", "comb_ptr")
     check("split_sinkhorn hc=4", triton_sinkhorn._sinkhorn_kernel,

@@ -140,24 +140,6 @@ def test_fused_experts_match_reference(fmt, fragments):
     assert_experts_close_to_reference(got, ref)
 
 
-def test_align_pairs_blocks_cover_every_pair_once():
-    from model.kernels.triton_moe import align_pairs
-
-    gen = torch.Generator().manual_seed(5)
-    experts, block = 7, 4
-    ids = torch.randint(-1, experts + 1, (41,), generator=gen)
-    sorted_pair, start, count, block_expert, block_index = align_pairs(ids, experts, block)
-    covered = []
-    for b, e in enumerate(block_expert.tolist()):
-        if e < 0:
-            continue
-        rows = range(block_index[b] * block, min((block_index[b] + 1) * block, count[e]))
-        covered += [sorted_pair[start[e] + r].item() for r in rows]
-        assert all(ids[sorted_pair[start[e] + r]] == e for r in rows)
-    valid = [i for i, e in enumerate(ids.tolist()) if 0 <= e < experts]
-    assert sorted(covered) == valid
-
-
 def test_triton_rows_do_not_depend_on_the_batch_in_batch_invariant_mode():
     from model.kernels.triton_backend import TritonKernels
 

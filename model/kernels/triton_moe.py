@@ -4,10 +4,11 @@ One MoE layer's routed experts in four steps, with no host synchronisation:
 
 1. ``act_quant_bf16``: each token's FP8 round trip per 32 (the reference's activation
    quantization, exact in bf16), once per token whatever its number of experts.
-2. ``align_pairs`` (torch ops on the device): (token, expert) pairs are sorted by expert and the
-   sorted list is cut into blocks of ``block_m`` pairs that never straddle two experts. The grid
-   is sized from the shapes alone (``ceil(P / block_m) + min(E, P)`` blocks at most); blocks past
-   the last real one exit at once.
+2. ``align_pairs``: (token, expert) pairs are sorted by expert and the sorted list is cut into
+   blocks of ``block_m`` pairs that never straddle two experts (one launch of
+   ``triton_align_pairs`` up to its ``MAX_PAIRS``, torch ops on the device above). The grid is
+   sized from the shapes alone (``ceil(P / block_m) + min(E, P)`` blocks at most); blocks past the
+   last real one exit at once.
 3. ``_gate_up_kernel``: per (block, tile of the intermediate dimension), the block's token rows
    (gathered) times the expert's ``w1`` and ``w3``; the epilogue rounds both to bf16 as the
    reference's projections do, applies the clamped SwiGLU and the routing weight, rounds to bf16,
@@ -37,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_align_pairs
 from .tile_configs import moe_config
 from .triton_common import INTERPRETED, quantize_groups_of_32, to_bf16
 from .triton_scaled_mm import act_quant_bf16
@@ -167,6 +169,14 @@ def _down_kernel(h_ptr, out_ptr, sorted_pair_ptr, expert_start_ptr, expert_count
 
 
 def align_pairs(pair_expert: torch.Tensor, num_experts: int, block_m: int):
+    """``align_pairs_torch``'s result: in one launch for the few pairs of a decode step
+    (``triton_align_pairs``), else by torch ops that sort on every SM."""
+    if pair_expert.shape[0] <= triton_align_pairs.MAX_PAIRS:
+        return triton_align_pairs.align_pairs(pair_expert, num_experts, block_m)
+    return align_pairs_torch(pair_expert, num_experts, block_m)
+
+
+def align_pairs_torch(pair_expert: torch.Tensor, num_experts: int, block_m: int):
     """Sort pairs by expert and cut them into per-expert blocks, on the device, without a sync.
 
     Returns (sorted_pair, expert_start, expert_count, block_expert, block_index): ``sorted_pair``

@@ -1,0 +1,107 @@
+"""One Triton launch that sorts a step's (token, expert) pairs by expert and cuts them into blocks.
+
+``align_pairs(pair_expert, num_experts, block_m)`` gives exactly what ``triton_moe.align_pairs_torch``
+gives (``tests/test_triton_align_pairs.py`` compares them element for element):
+
+* ``sorted_pair [P]``: the pair ids expert by expert, in pair order within one expert (a stable
+  sort); pairs whose expert is outside ``[0, num_experts)`` come last, in pair order;
+* ``expert_start [E]``, ``expert_count [E]``: where each expert's pairs start in ``sorted_pair`` and
+  how many there are;
+* ``block_expert [NB]``, ``block_index [NB]``: block ``b`` covers rows ``block_index[b] * block_m ..``
+  of expert ``block_expert[b]`` (-1: an unused block), ``NB = cdiv(P, block_m) + min(E, P)``, an
+  upper bound known without reading anything back.
+
+Why a kernel: in torch this is ~18 operations (a scatter-add histogram, a stable radix argsort of
+several kernels, two cumulative sums, a searchsorted, gathers, ``where``s): ~25 kernels of 1-3 µs
+each in every MoE layer of a decode step, more than the experts' own weight streaming takes at one
+token (``docs/benchmarks.md``). Here one program does all of it: a counting sort.
+
+1. Histogram of the expert ids, chunk by chunk (``tl.histogram``), and its exclusive prefix sum: each
+   expert's start.
+2. The chunks again, in order: a pair's place is its expert's running cursor plus the number of
+   earlier pairs of the same expert in its chunk (a ``[C, C]`` comparison); the cursors, kept in a
+   scratch buffer, then advance by the chunk's histogram.
+3. Blocks: ``cdiv(count, block_m)`` per expert, their inclusive prefix sum ``block_end``; block ``b``
+   belongs to the number of experts whose ``block_end <= b`` (searchsorted, right side).
+
+One program, so it pays only for small steps: the launcher uses it up to ``MAX_PAIRS`` pairs (decode
+steps up to ~680 tokens of 6 experts) and the torch version above, which sorts on every SM.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_PAIRS = 4096  # above: the torch version (its sort uses the whole GPU; this kernel one SM)
+CHUNK = 128  # pairs compared with each other at once ([CHUNK, CHUNK] in registers)
+BLOCK_CHUNK = 64  # blocks mapped to their expert at once ([BLOCK_CHUNK, bins])
+
+
+@triton.jit
+def _align_pairs_kernel(expert_ptr, sorted_ptr, start_ptr, count_ptr, block_expert_ptr, block_index_ptr,
+                        cursor_ptr, block_start_ptr, P, E, NB, block_m,
+                        BINS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr):
+    bins = tl.arange(0, BINS)
+    lanes = tl.arange(0, CHUNK)
+    # 1. counts per key: experts 0..E-1, E for pairs of no local expert, E + 1 for lanes past P
+    counts = tl.zeros((BINS,), dtype=tl.int32)
+    for first in range(0, P, CHUNK):
+        counts += tl.histogram(_keys(expert_ptr, first + lanes, P, E), BINS)
+    starts = tl.cumsum(counts, 0) - counts  # exclusive: key E starts after every valid pair
+    tl.store(start_ptr + bins, starts.to(tl.int64), mask=bins < E)
+    tl.store(count_ptr + bins, counts.to(tl.int64), mask=bins < E)
+    # 2. stable counting sort: running cursors in scratch memory, read back by gather
+    tl.store(cursor_ptr + bins, starts)
+    earlier = lanes[None, :] < lanes[:, None]  # [i, j]: j comes before i
+    for first in range(0, P, CHUNK):
+        tl.debug_barrier()  # the cursors stored by every thread are visible before the gather
+        pair = first + lanes
+        keys = _keys(expert_ptr, pair, P, E)
+        same_before = tl.sum(((keys[:, None] == keys[None, :]) & earlier).to(tl.int32), axis=1)
+        place = tl.load(cursor_ptr + keys) + same_before
+        tl.store(sorted_ptr + place, pair.to(tl.int64), mask=pair < P)
+        tl.debug_barrier()  # every gather of this chunk is done before the cursors move
+        tl.store(cursor_ptr + bins, tl.load(cursor_ptr + bins) + tl.histogram(keys, BINS))
+    # 3. blocks of block_m rows per expert, in expert order
+    blocks = tl.where(bins < E, (counts + block_m - 1) // block_m, 0)
+    block_end = tl.cumsum(blocks, 0)
+    tl.store(block_start_ptr + bins, block_end - blocks)
+    tl.debug_barrier()
+    for first in range(0, NB, BLOCK_CHUNK):
+        b = first + tl.arange(0, BLOCK_CHUNK)
+        owner = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), axis=1)  # searchsorted, right
+        in_use = owner < E
+        owner = tl.minimum(owner, E - 1)
+        index = b - tl.load(block_start_ptr + owner)
+        tl.store(block_expert_ptr + b, tl.where(in_use, owner, -1).to(tl.int64), mask=b < NB)
+        tl.store(block_index_ptr + b, index.to(tl.int64), mask=b < NB)
+
+
+@triton.jit
+def _keys(expert_ptr, pair, P, E):
+    expert = tl.load(expert_ptr + pair, mask=pair < P, other=0).to(tl.int32)
+    key = tl.where((expert >= 0) & (expert < E), expert, E)
+    return tl.where(pair < P, key, E + 1)
+
+
+def align_pairs(pair_expert: torch.Tensor, num_experts: int, block_m: int):
+    """``(sorted_pair, expert_start, expert_count, block_expert, block_index)``, int64 (module
+    docstring); ``pair_expert [P]`` integer with P <= ``MAX_PAIRS``."""
+    p = pair_expert.shape[0]
+    if p > MAX_PAIRS:
+        raise ValueError(f"align_pairs takes at most {MAX_PAIRS} pairs in one program, got {p}")
+    device = pair_expert.device
+    num_blocks = triton.cdiv(p, block_m) + min(num_experts, p)
+    sorted_pair = torch.empty(p, dtype=torch.int64, device=device)
+    start = torch.empty(num_experts, dtype=torch.int64, device=device)
+    count = torch.empty(num_experts, dtype=torch.int64, device=device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int64, device=device)
+    block_index = torch.empty(num_blocks, dtype=torch.int64, device=device)
+    bins = triton.next_power_of_2(num_experts + 2)
+    scratch = torch.empty(2, bins, dtype=torch.int32, device=device)
+    _align_pairs_kernel[(1,)](pair_expert.contiguous(), sorted_pair, start, count, block_expert, block_index,
+                              scratch[0], scratch[1], p, num_experts, num_blocks, block_m,
+                              BINS=bins, CHUNK=CHUNK, BLOCK_CHUNK=BLOCK_CHUNK, num_warps=4)
+    return sorted_pair, start, count, block_expert, block_index

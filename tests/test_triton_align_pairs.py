@@ -1,0 +1,69 @@
+"""The pair sort of the experts' kernels (``model/kernels/triton_align_pairs.py``) against its torch
+version, element for element: both are integer programs, so any difference is a bug.
+
+Without a GPU the kernel runs in Triton's interpreter (``conftest.py`` sets ``TRITON_INTERPRET``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from model.kernels.triton_align_pairs import MAX_PAIRS, align_pairs  # noqa: E402
+from model.kernels.triton_moe import align_pairs_torch  # noqa: E402
+from tests.kernel_checks import device  # noqa: E402
+
+NAMES = ("sorted_pair", "expert_start", "expert_count", "block_expert", "block_index")
+
+
+def assert_same_as_torch(ids: torch.Tensor, experts: int, block: int) -> None:
+    got = align_pairs(ids.to(device()), experts, block)
+    ref = align_pairs_torch(ids, experts, block)
+    for name, g, r in zip(NAMES, got, ref):
+        assert g.dtype == r.dtype == torch.int64, name
+        assert torch.equal(g.cpu(), r), f"{name}: {g.cpu().tolist()} != {r.tolist()}"
+
+
+@pytest.mark.parametrize("pairs,experts,block", [
+    (1, 7, 4), (6, 384, 16), (41, 7, 4), (300, 16, 16), (129, 5, 3), (256, 3, 64),
+])
+def test_matches_the_torch_version(pairs, experts, block):
+    """Several chunks of pairs, experts without pairs, ids outside ``[0, E)`` (other ranks' experts
+    and -1), blocks of one pair and blocks wider than any expert's pairs."""
+    gen = torch.Generator().manual_seed(pairs + experts)
+    ids = torch.randint(-1, experts + 2, (pairs,), generator=gen)
+    assert_same_as_torch(ids, experts, block)
+
+
+def test_one_expert_takes_every_pair_and_none_is_local():
+    assert_same_as_torch(torch.full((200,), 2), 4, 16)  # pair order kept within one expert
+    assert_same_as_torch(torch.full((70,), -1), 4, 16)  # no local pair: every block unused
+
+
+def test_blocks_cover_every_local_pair_once():
+    gen = torch.Generator().manual_seed(5)
+    experts, block = 7, 4
+    ids = torch.randint(-1, experts + 1, (41,), generator=gen)
+    sorted_pair, start, count, block_expert, block_index = (t.cpu() for t in align_pairs(ids.to(device()), experts, block))
+    covered = []
+    for b, e in enumerate(block_expert.tolist()):
+        if e < 0:
+            continue
+        rows = range(block_index[b] * block, min((block_index[b] + 1) * block, count[e]))
+        covered += [sorted_pair[start[e] + r].item() for r in rows]
+        assert all(ids[sorted_pair[start[e] + r]] == e for r in rows)
+    assert sorted(covered) == [i for i, e in enumerate(ids.tolist()) if 0 <= e < experts]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 64, 256, MAX_PAIRS // 6])
+def test_real_sizes_on_gpu(tokens):
+    """V4.1-Flash: 384 experts, 6 per token; a rank of eight holding 48 of them."""
+    gen = torch.Generator().manual_seed(tokens)
+    for experts in (384, 48):
+        ids = torch.stack([torch.randperm(384, generator=gen)[:6] for _ in range(tokens)]).flatten()
+        for block in (16, 64):
+            assert_same_as_torch(ids, experts, block)
