@@ -23,6 +23,7 @@ from .batch import ForwardBatch
 from .cache import V41Cache
 from .config import V41Config
 from .engram_storage import STORAGES, host_resident
+from .kernels import KernelBackend
 from .layers import Linear
 from .quant import dequantize_fp8_rows
 from .presets import engram_bucket_primes
@@ -51,17 +52,18 @@ class NgramHasher:
     primes: torch.Tensor  # [layers, max_ngram - 1, heads]
     offsets: torch.Tensor  # [layers, (max_ngram - 1) * heads]
     max_ngram_size: int
+    kernels: KernelBackend  # hashes through ``ngram_hash_ids`` (the Triton backend: one launch)
 
     @classmethod
     def build(cls, cfg: V41Config, token_map: list[int] | tuple[int, ...], compressed_vocab_size: int,
-              pad_compressed_id: int) -> "NgramHasher":
+              pad_compressed_id: int, kernels: KernelBackend) -> "NgramHasher":
         n, heads = cfg.engram_max_ngram_size, cfg.engram_num_heads
         per_layer = engram_bucket_primes(list(cfg.engram_layer_ids), n, cfg.engram_vocab_size, heads)
         primes = torch.tensor(per_layer, dtype=torch.int64).view(len(per_layer), n - 1, heads)
         flat = primes.flatten(1)
         offsets = torch.cumsum(flat, dim=1) - flat  # each (n, head) range starts after the previous ones
         return cls(torch.tensor(list(token_map), dtype=torch.int64), pad_compressed_id,
-                   hash_multipliers(cfg.engram_layer_ids, n, compressed_vocab_size), primes, offsets, n)
+                   hash_multipliers(cfg.engram_layer_ids, n, compressed_vocab_size), primes, offsets, n, kernels)
 
     def to(self, device) -> "NgramHasher":
         for name in ("token_map", "multipliers", "primes", "offsets"):
@@ -74,26 +76,39 @@ class NgramHasher:
         if batch.num_tokens == 0:
             return self.offsets.new_zeros(0, *self.offsets.shape)
         history, keep, layout, pos = cache.engram_history, cache.history_len, batch.layout, batch.positions
-        lookback = []  # lookback[i][t] = compressed id i positions before token t (pad before the start)
-        for shift in range(self.max_ngram_size):
-            source = pos - shift
-            in_chunk = source >= layout.start
-            from_chunk = compressed[layout.offset + (source - layout.start).clamp(min=0)]
-            from_history = history[layout.slot, source.clamp(min=0) % keep]
-            ids = torch.where(in_chunk, from_chunk, from_history)
-            lookback.append(torch.where(source >= 0, ids, self.pad_compressed_id))
-        tokens = torch.stack(lookback, dim=-1)  # [T, max_ngram]
-        products = tokens.unsqueeze(1) * self.multipliers  # [T, layers, max_ngram]
-        rolling, hashes = products[..., 0], []
-        for i in range(1, self.max_ngram_size):
-            rolling = torch.bitwise_xor(rolling, products[..., i])
-            hashes.append(rolling.unsqueeze(-1) % self.primes[:, i - 1])
+        hashes = self.kernels.ngram_hash_ids(compressed, pos, layout.start, layout.offset, layout.slot, history,
+                                             self.pad_compressed_id, self.multipliers, self.primes, self.offsets)
         if batch.padded:  # one token per row: every row is its sequence's newest position
             history[layout.slot, pos % keep] = compressed
         else:
             recent = batch.rows_from(lambda chunk: chunk.end - keep)  # each sequence's last positions
             history[layout.slot[recent], pos[recent] % keep] = compressed[recent]
-        return torch.cat(hashes, dim=-1) + self.offsets
+        return hashes
+
+
+def ngram_hash_ids(compressed: torch.Tensor, positions: torch.Tensor, start: torch.Tensor, offset: torch.Tensor,
+                   slot: torch.Tensor, history: torch.Tensor, pad_id: int, multipliers: torch.Tensor,
+                   primes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The hash ids ``[T, layers, (n - 1) * heads]`` of every token's n-grams (the module docstring):
+    ``compressed [T]`` the tokens' compressed ids, ``positions``/``start``/``offset``/``slot`` ``[T]``
+    each token's position, its chunk's first position and first row, its sequence's slot;
+    ``history [S, keep]`` each slot's ring of compressed ids (read only)."""
+    n = multipliers.shape[1]
+    lookback = []  # lookback[i][t] = compressed id i positions before token t (pad before the start)
+    for shift in range(n):
+        source = positions - shift
+        in_chunk = source >= start
+        from_chunk = compressed[offset + (source - start).clamp(min=0)]
+        from_history = history[slot, source.clamp(min=0) % history.shape[1]]
+        ids = torch.where(in_chunk, from_chunk, from_history)
+        lookback.append(torch.where(source >= 0, ids, pad_id))
+    tokens = torch.stack(lookback, dim=-1)  # [T, n]
+    products = tokens.unsqueeze(1) * multipliers  # [T, layers, n]
+    rolling, hashes = products[..., 0], []
+    for i in range(1, n):
+        rolling = torch.bitwise_xor(rolling, products[..., i])
+        hashes.append(rolling.unsqueeze(-1) % primes[:, i - 1])
+    return torch.cat(hashes, dim=-1) + offsets
 
 
 class Engram:

@@ -277,7 +277,7 @@ def load_model(path: str | Path, options: ModelOptions | None = None, device: st
     hasher = None
     if cfg.engram_layer_ids:
         lookup, size, pad = load_engram_token_map(path, cfg)
-        hasher = NgramHasher.build(cfg, lookup, size, pad).to(device)
+        hasher = NgramHasher.build(cfg, lookup, size, pad, kernels).to(device)
     blocks = [builder.block(layer, device) for layer in _progress(range(cfg.num_layers), "loading weights", "layer")]
     model = V41Model(cfg, options, builder.t("embed.weight").to(device), blocks,
                      builder.t("norm.weight").to(device), builder.t("head.weight").to(device), hasher, kernels)

@@ -45,7 +45,7 @@ def main() -> int:
     from triton.compiler import ASTSource
 
     from model.cache_formats import COMPRESSED_KV, INDEX_KEYS, WINDOW_KV
-    from model.kernels import (tile_configs, triton_align_pairs, triton_bf16_mm, triton_cache_codec, triton_decode_mm,
+    from model.kernels import (tile_configs, triton_align_pairs, triton_bf16_mm, triton_ngram_hash, triton_cache_codec, triton_decode_mm,
                                triton_fp4_round_trip, triton_index_scores, triton_mhc, triton_moe, triton_moe_sum,
                                triton_rms_norm, triton_rope, triton_scaled_mm, triton_sinkhorn, triton_sparse_attention)
 
@@ -152,6 +152,13 @@ def main() -> int:
           {"expert_ptr": "*i64", **{name: "*i64" for name in outputs}, "cursor_ptr": "*i32",
            "block_start_ptr": "*i32", **scalars("P E NB block_m")},
           {"BINS": 512, "CHUNK": triton_align_pairs.CHUNK, "BLOCK_CHUNK": triton_align_pairs.BLOCK_CHUNK}, wgmma=False)
+
+    hash_fn = triton_ngram_hash._ngram_hash_kernel
+    check("ngram_hash layers=2 n=3 heads=8", hash_fn,
+          {**{name: "*i64" for name in hash_fn.arg_names if name.endswith("_ptr")}, **scalars("T keep stride_hist"),
+           "pad_id": "i64"},
+          {"LAYERS": 2, "NGRAM": 3, "HEADS": 8, "LAYERS_P": 2, "HEADS_P": 8, "BLOCK_T": triton_ngram_hash.BLOCK_T},
+          wgmma=False)
 
     pointers = ("mix_ptr", "scale_ptr", "base_ptr", "pre_ptr", "post_ptr", "comb_ptr")
     check("split_sinkhorn hc=4", triton_sinkhorn._sinkhorn_kernel,

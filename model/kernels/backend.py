@@ -8,7 +8,8 @@ read the storage formats directly, default on CUDA). The head is in the interfac
 and the indexer's scores for their intermediate (a per-query copy of the keys). A few elementwise
 chains are in it for their launch counts: each is many tiny torch kernels (mHC's Sinkhorn split
 ~135 per call, an FP4 round trip ~28, mHC's collapse and expand 4 and 7, RMSNorm and RoPE 6, the
-MoE's SwiGLU 7 and expert sum ~12), which a decode step would otherwise spend its time launching.
+MoE's SwiGLU 7 and expert sum ~12, Engram's n-gram hashing ~45), which a decode step would otherwise
+spend its time launching.
 Other plain bf16/fp32 products (mHC mixes, the router, compressor and indexer weights) are not: both
 backends run them through torch (``model/gemm.py``).
 """
@@ -135,6 +136,13 @@ class KernelBackend(ABC):
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         """The shared expert's clamped SwiGLU: bf16 ``gate``, ``up`` ``[N, I]`` -> bf16 ``silu(gate) * up``
         in fp32, ``up`` clamped to ``[-limit, limit]`` and ``gate`` from above (when ``limit > 0``)."""
+
+    @abstractmethod
+    def ngram_hash_ids(self, compressed: torch.Tensor, positions: torch.Tensor, start: torch.Tensor,
+                       offset: torch.Tensor, slot: torch.Tensor, history: torch.Tensor, pad_id: int,
+                       multipliers: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Engram's n-gram hash ids ``[T, layers, (n - 1) * heads]`` int64 (``model.engram.ngram_hash_ids``,
+        integer arithmetic: every backend gives the same ids)."""
 
     @abstractmethod
     def moe_sum(self, routed: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..engram import ngram_hash_ids
 from ..gemm import block_scaled_linear, dense_linear
 from ..layers import rms_norm
 from ..quant import fp4_qdq, fp8_qdq
@@ -113,6 +114,9 @@ class ReferenceKernels(KernelBackend):
             up = torch.clamp(up, min=-limit, max=limit)
             gate = torch.clamp(gate, max=limit)
         return (F.silu(gate) * up).to(torch.bfloat16)
+
+    def ngram_hash_ids(self, *args) -> torch.Tensor:
+        return ngram_hash_ids(*args)
 
     def moe_sum(self, routed: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         y = combine_routed(routed, ids)

@@ -23,6 +23,7 @@ from .triton_scaled_mm import act_quant, act_quant_bf16, scaled_mm
 from .triton_fp4_round_trip import fp4_round_trip
 from .triton_index_scores import index_scores
 from .triton_mhc import collapse, expand
+from .triton_ngram_hash import ngram_hash_ids
 from .triton_rms_norm import rms_norm
 from .triton_rope import rotate_
 from .triton_sinkhorn import split_sinkhorn
@@ -38,7 +39,7 @@ class TritonKernels(KernelBackend):
     one launch (``triton_sinkhorn``) instead of ~135, and so are RMSNorm, RoPE, the FP8/FP4 round
     trips, mHC's collapse and expand, the shared expert's SwiGLU and the MoE's expert sum; the
     indexer's scores read each sequence's keys in place (``triton_index_scores``) instead of a
-    per-query copy."""
+    per-query copy; Engram's n-gram hashing is one launch (``triton_ngram_hash``) instead of ~45."""
 
     name = "triton"
 
@@ -128,3 +129,6 @@ class TritonKernels(KernelBackend):
 
     def moe_sum(self, routed: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         return moe_sum(routed, ids, shared)
+
+    def ngram_hash_ids(self, *args) -> torch.Tensor:
+        return ngram_hash_ids(*args)
