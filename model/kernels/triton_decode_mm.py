@@ -7,11 +7,15 @@ Two kernels, for the small M of decode steps, where the weight's bytes are the w
   block of 32 columns, the products of the *unscaled* e4m3 values (exact in fp16, summed in fp32 by
   the tensor cores), times the activation's scale, times the weight's, added to the row's sum block
   after block. The weight bytes go from shared memory to fp16 registers by one conversion per pair
-  of values and feed the tensor cores from there; the scales touch only the 16-64 accumulators of a
-  thread per block. The first version expanded every weight value to bf16 with its scale applied
-  (``_decode_mm_kernel``, still used for the other products) and redid the activation's round trip
-  in every warp: ~22 instructions per weight byte in its inner loop where the HBM bandwidth leaves
-  an SM time for ~8; this loop takes ~5 (SASS counts, 256 rows x 16 tokens).
+  of values and feed the tensor cores from there; the scales touch only a thread's 16-64
+  accumulators per block. The first version (``_decode_mm_kernel``, still used for the other
+  products) expanded every weight value to bf16 with its scale applied and redid the activation's
+  round trip in every warp: ~22 instructions per weight byte in its inner loop against ~5 here (SASS
+  counts), where the HBM bandwidth leaves an SM time for ~8. Instruction issue was not what limited
+  it, though: on one H200 a layer's FP8 linears take the same time at one token (138 against 135
+  µs) and 4% less at 64 (``docs/benchmarks.md``). What does limit a 2-40 MB weight read to 10-30 µs
+  is not established; the next suspects are each program's first-load latency and a partial last
+  wave of programs.
 * ``decode_mm``: the other bf16-operand products (the grouped ``wo_a`` with its bf16 activation,
   the bf16 head), what ``triton_bf16_mm.bf16_mm`` computes, with the weight tile expanded to bf16.
 
@@ -20,7 +24,7 @@ Both take the products transposed and split K:
 * operands swapped (``C^T = W a^T``): weight rows fill the tensor cores' 64-row side, the tokens
   (16 to 64, padded) the narrow side, so no instruction row is wasted on absent tokens;
 * split-K: K is cut into ``splits`` equal ranges so that there are a few programs per SM even for
-  the narrow matrices (``wkv`` has 2 tiles of 256 rows). Each program writes its fp32 partial sums;
+  the narrow matrices (``wkv`` has 4 tiles of 128 rows). Each program writes its fp32 partial sums;
   ``_sum_splits_kernel`` adds them in split order (deterministic: the same inputs give the same
   bits on every run) and rounds once. One split writes the output directly.
 
