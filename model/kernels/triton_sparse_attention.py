@@ -30,11 +30,11 @@ multiples of 64 rows, which a block of heads would not give on the row side.
 How many heads a program takes (``HEAD_BLOCKS``): 32 heads with 8 warps keep the accumulator at 64
 fp32 registers per thread (D = 512) with no spill, and read each KV block once for 32 heads; 16
 heads with 4 warps read every row four times for 64 heads, from L2, and issue narrower products:
-1.2x slower from 64 rows up, but faster for a few rows, where 32 heads leave most SMs idle (on one
+1.1-1.2x slower from 64 rows up, but faster for a few rows, where 32 heads leave most SMs idle (on one
 H200: 51 against 76 µs at 8 rows, 93 against 81 µs at 64). ``sparse_attention`` takes 16 heads
-while that fills at most one wave of programs. Both give the same bits (each head's arithmetic is
-the same instruction sequence; ``test_real_shapes_on_gpu`` checks it), so the choice by T keeps
-rows independent of their batch. 64 heads in one program would need 128 accumulator registers per
+while that fills at most one wave of programs. Both give the same bits on the H200 (a head's sums
+are taken in the same order either way; ``test_real_shapes_on_gpu`` checks the bits), so the
+choice by T keeps rows independent of their batch. 64 heads in one program would need 128 accumulator registers per
 thread even with 8 warps, and spill in Triton's code. A row's blocks are never split over programs:
 a split softmax would change the sums.
 
