@@ -8,9 +8,9 @@ Runs the offline engine (``frontend.llm.LLM``: in-process, or one worker process
 device) on a config-only model directory written from a preset (or ``--model DIR``). For every
 kernel backend and batch size: ``batch`` (per rank) token-id prompts of
 ``--context`` tokens, greedy, ``ignore_eos``. Once every sequence is decoding, ``--steps`` engine
-steps are timed one by one (host clock, device synchronized after each) and the median is the step
-time, so prefill and warm-up stay outside it; the first batch is run once more before, untimed
-(compilation, allocator).
+steps are timed together (host clock between two device synchronisations; the engine keeps one
+step queued ahead, as when serving) and their mean is the step time, so prefill and warm-up stay
+outside it; the first batch is run once more before, untimed (compilation, allocator).
 
 The limit of a step is what the device must at least do: read every weight the step touches once
 (the dense weights, the head and the expected number of distinct routed experts hit by
@@ -109,8 +109,11 @@ def prefill_flops_per_token(cfg: V41Config, context: int) -> float:
 
 
 def decode_step_times(llm: LLM, prompts: list[list[int]], steps: int, around_steps=None) -> tuple[float, float]:
-    """(prefill seconds, median seconds of a decode step over ``steps`` steady-state steps).
+    """(prefill seconds, seconds per decode step over ``steps`` steady-state steps).
 
+    The steps are timed together, between two device synchronisations: as when serving, the engine
+    launches step N+1 before it waits for step N, so the host's work for a step overlaps the
+    device's work for the one before; a synchronisation after every step would serialize them.
     ``around_steps``: a context manager entered around the timed steps only (a profiler)."""
     from engine_core.protocol import AddRequest
 
@@ -127,18 +130,16 @@ def decode_step_times(llm: LLM, prompts: list[list[int]], steps: int, around_ste
             produced[out.request_id] += len(out.new_token_ids)
     torch.cuda.synchronize()
     prefill = time.perf_counter() - start
-    times = []
     with around_steps if around_steps is not None else contextlib.nullcontext():
-        for _ in range(steps):
-            start = time.perf_counter()
+        start = time.perf_counter()
+        for _ in range(steps):  # each call launches one step and collects the one before
             for out in engine.step():
                 produced[out.request_id] += len(out.new_token_ids)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
     while engine.has_work:
         engine.step()
-    times.sort()
-    return prefill, times[len(times) // 2]
+    return prefill, elapsed / steps
 
 
 def profile_steps(llm: LLM, prompts: list[list[int]], out_path: str) -> None:
@@ -184,7 +185,7 @@ def main() -> int:
     parser.add_argument("--preset", default="v41-flash-L8")
     parser.add_argument("--kernels", default="triton,triton-eager,reference",
                         help="backends to run; suffixes: -bi turns --batch-invariant on, -eager turns CUDA graphs "
-                             "off (--enforce-eager) for that run")
+                             "off (--enforce-eager), -nozos zero-overhead scheduling off (--no-zos) for that run")
     parser.add_argument("--batch", default="1,8,32,128,256", help="sequences per DP rank")
     parser.add_argument("--dp", type=int, default=1,
                         help="data-parallel ranks (one GPU each, experts sharded): batch sizes are per rank")
@@ -216,7 +217,7 @@ def main() -> int:
     rows = []
     for variant in args.kernels.split(","):
         kernels, *suffixes = variant.split("-")
-        batch_invariant, eager = "bi" in suffixes, "eager" in suffixes
+        batch_invariant, eager, zos = "bi" in suffixes, "eager" in suffixes, "nozos" not in suffixes
         runnable = [b for b in batches if kernels != "reference" or b <= args.reference_max_batch]
         if not runnable:
             continue
@@ -226,7 +227,7 @@ def main() -> int:
         before = torch.cuda.memory_allocated()
         started = time.perf_counter()
         llm = LLM(args.model, device=device, kernels=kernels, batch_invariant=batch_invariant, load_format="dummy",
-                  enforce_eager=eager,
+                  enforce_eager=eager, zos=zos,
                   max_num_seqs=max(runnable),
                   max_num_batched_tokens=args.max_num_batched_tokens or max(2048, min(args.context * 8, 8192)),
                   max_model_len=args.context + steps + 8,

@@ -2,7 +2,9 @@
 
 Step plans are broadcast on a PUB socket (every worker receives every plan and runs its rank's
 part; see benchmarks/broadcast_bench.py for why PUB rather than a shared-memory ring at our
-message sizes); each worker answers with one ``StepResult`` on a PUSH socket. Startup is a
+message sizes); each worker answers with one ``StepResult`` on a PUSH socket. A worker sends step
+N's results after it has launched step N+1 (workers/step_pipeline.py); when the engine waits for
+the newest step it sent, it broadcasts ``collect`` instead. Startup is a
 handshake: each worker reports ``joined`` once its links are open, then ``ready`` with its cache
 geometry (or the error that stopped it), then a ping over the broadcast socket proves every
 subscription is live before the first plan. A local worker process that dies is noticed while
@@ -116,6 +118,7 @@ class MultiprocExecutor(Executor):
                           f"{exc}") from None
         self._drops = DropLog("engine core results")
         self._submitted: dict[int, float] = {}  # step id -> when it was sent
+        self._newest_step: int | None = None  # the last plan sent: the workers hold its results until told
         self._stuck: set[int] = set()
         self._nonce = 0
         self._ping: tuple[int, float, set[int]] | None = None  # outstanding idle ping: nonce, sent at, answered
@@ -258,10 +261,14 @@ class MultiprocExecutor(Executor):
     def submit(self, plan: StepPlan) -> int:
         self._submitted[plan.step_id] = time.monotonic()
         send(self.steps, MessageType.STEP, plan)
+        self._newest_step = plan.step_id
         return plan.step_id
 
     def collect(self, step_id: int) -> list[StepResult]:
         ranks = range(self.num_ranks)
+        if step_id == self._newest_step:  # no later plan will push its results out of the workers
+            send(self.steps, MessageType.CONTROL, WorkerControl("collect", nonce=step_id))
+            self._newest_step = None
         submitted = self._submitted.pop(step_id, time.monotonic())
         waited_since = time.monotonic()
         while not all((step_id, r) in self._buffered for r in ranks):

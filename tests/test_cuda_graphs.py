@@ -117,3 +117,32 @@ def test_no_host_synchronisation_inside_a_step(tiny_checkpoint, enforce_eager):
     with _sync_is_an_error_inside_steps(llm.engine.executor.runner) as counted:
         _tokens(llm)
     assert counted["decode"] > 10 and counted["prefill"] > 3
+
+
+def test_collecting_a_step_does_not_wait_for_work_queued_after_it(tiny_checkpoint):
+    """``collect`` waits for its own step's results, not for the stream to drain: the engine
+    launches step N+1 before collecting step N, and a blocking read there would wait for N+1 too
+    (the device would then idle while the host plans N+2). Each launch here is followed by ~50 ms
+    of queued device work; when a collect returns, that work must still be running."""
+    from frontend.llm import LLM
+
+    llm = LLM(str(tiny_checkpoint), device="cuda", max_num_batched_tokens=64, block_size=16)
+    runner = llm.engine.executor.runner
+    execute, collect = runner.execute, runner.collect
+    busy_after_collect = []
+
+    def execute_then_occupy(*args, **kwargs):
+        pending = execute(*args, **kwargs)
+        torch.cuda._sleep(100_000_000)  # clock cycles: tens of milliseconds at the H200's clocks
+        return pending
+
+    def collect_and_look(pending):
+        result = collect(pending)
+        busy_after_collect.append(not torch.cuda.current_stream().query())
+        return result
+
+    runner.execute, runner.collect = execute_then_occupy, collect_and_look
+    outputs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                           use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outputs)
+    assert len(busy_after_collect) >= 6 and all(busy_after_collect), busy_after_collect

@@ -23,6 +23,7 @@ from engine_core.ipc import DropLog, Endpoints
 from engine_core.protocol import (EngineOutputs, MessageType, SamplingParams, SchedulerStats, StepPlan, StepResult,
                                   WorkerControl, encode)
 from frontend.zmq_engine_client import ZmqEngineClient
+from workers.step_pipeline import StepPipeline
 from workers.worker_process import handle_message
 
 PROMPT = list(range(7, 30))
@@ -89,12 +90,13 @@ def test_worker_step_loop_drops_garbage():
     push = context.socket(zmq.PUSH)
     push.connect(f"tcp://127.0.0.1:{port}")
     drops = DropLog("test")
+    pipeline = StepPipeline(None, 0, push)  # no runner: none of the garbage may reach one
     try:
-        for frames in garbage():  # none reaches the runner (None would fail if called)
-            assert handle_message(frames, None, 0, push, drops)
+        for frames in garbage():
+            assert handle_message(frames, pipeline, drops)
         assert drops.dropped == len(garbage())
         # and a real ping still gets its pong
-        assert handle_message([MessageType.CONTROL.value, encode(WorkerControl("ping", nonce=5))], None, 0, push, drops)
+        assert handle_message([MessageType.CONTROL.value, encode(WorkerControl("ping", nonce=5))], pipeline, drops)
         assert pull.poll(2000)
         kind, payload = pull.recv_multipart()
         assert kind == MessageType.CONTROL.value and msgspec.msgpack.decode(payload, type=WorkerControl).nonce == 5

@@ -75,6 +75,15 @@ def test_dp2_gives_the_tokens_of_one_rank_and_del_stops_its_workers(tiny_checkpo
     assert not os.path.exists(socket_dir)
 
 
+def test_dp2_without_zos_gives_the_tokens_of_one_rank(tiny_checkpoint, one_rank):
+    """Without ZOS no plan follows the one the engine waits for: every step's results come out of
+    the workers on the engine's ``collect`` message (workers/step_pipeline.py)."""
+    greedy, seeded = one_rank
+    with LLM(str(tiny_checkpoint), dp_size=2, zos=False, **ENGINE) as llm:
+        assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == greedy
+        assert _tokens(llm.generate(PROMPTS[:2], SEEDED, use_tqdm=False)) == seeded
+
+
 def test_data_parallel_size_is_an_alias_and_a_bad_size_is_a_config_error(tiny_checkpoint):
     with pytest.raises(ValueError, match="disagree"):
         LLM(str(tiny_checkpoint), dp_size=2, data_parallel_size=4, **ENGINE)

@@ -207,6 +207,7 @@ def test_workers_compile_a_grammar_when_its_request_is_admitted():
     """The engine core's "grammar" broadcast starts the worker's compile before any step needs it."""
     from engine_core.ipc import DropLog
     from engine_core.protocol import MessageType, StructuredOutput, WorkerControl, encode
+    from workers.step_pipeline import StepPipeline
     from workers.worker_process import handle_message
 
     submitted = []
@@ -221,5 +222,5 @@ def test_workers_compile_a_grammar_when_its_request_is_admitted():
 
     spec = StructuredOutput("regex", "[ab]+")
     frames = [MessageType.CONTROL.value, encode(WorkerControl("grammar", grammar=spec))]
-    assert handle_message(frames, Runner(), 0, None, DropLog("test"))
+    assert handle_message(frames, StepPipeline(Runner(), 0, None), DropLog("test"))
     assert submitted == [spec]

@@ -3,9 +3,13 @@
 It owns the model replica, its ``V41Cache`` (paged blocks + state slots, allocated once), and the
 tokens it sampled in the previous step, kept on the device: with zero-overhead scheduling a decode
 input the CPU has not seen yet is taken from there (``SequenceStep.prev_row``). ``execute`` only
-launches work; every device-to-host read of a step happens in ``collect`` (the one wait point),
-except for constrained rows (structured output) whose input token is still on the device: their
-grammar matchers need it before the mask of this step can be filled (see workers.structured_output).
+launches work, ending with the copies of its results into pinned host memory and an event behind
+them; ``collect`` waits for that event (the one wait point), so it waits for this step alone, not
+for a step launched after it: the engine core (in-process) or the worker loop (workers.step_pipeline)
+launches step N+1 before collecting step N, and the device never waits for the host in between.
+The exception: constrained rows (structured output) whose input token is still on the device read
+it inside the step, since their grammar matchers need it before this step's mask can be filled
+(see workers.structured_output).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PendingStep:
-    """A launched step whose results are still on the device."""
+    """A launched step whose results are on their way to the host."""
 
     step_id: int
     sequences: list[SequenceStep]
@@ -47,6 +51,27 @@ class PendingStep:
     sample_index: list[int]  # sequence index of each sampled row
     prompt_logprobs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # seq index -> tensors
     constrained: bool = False  # some sampled row follows a grammar: its matcher takes the token at collect
+    copied: torch.cuda.Event | None = None  # on CUDA: recorded after the results' copies to the host
+
+    def copy_to_host(self) -> "PendingStep":
+        """Queue the results' copies into pinned host memory behind the step's work (no wait) and
+        mark their end with ``copied``. A blocking read at collect would instead wait for everything
+        queued on the stream by then, the next step included."""
+        if self.sampled is None and not self.prompt_logprobs:
+            return self
+        device = (self.sampled if self.sampled is not None else next(iter(self.prompt_logprobs.values()))[0]).device
+        if device.type != "cuda":
+            return self
+
+        def host(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor.to("cpu", non_blocking=True)  # pinned, asynchronous
+
+        self.sampled, self.sampled_logprobs = host(self.sampled), host(self.sampled_logprobs)
+        self.top_ids, self.top_logprobs = host(self.top_ids), host(self.top_logprobs)
+        self.prompt_logprobs = {i: tuple(host(t) for t in tensors) for i, tensors in self.prompt_logprobs.items()}
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+        return self
 
 
 class ModelRunner:
@@ -165,10 +190,13 @@ class ModelRunner:
             prompt[i] = (result.token_logprobs, result.top_ids, result.top_logprobs)
             offset += n
         return PendingStep(step_id, seqs, sampled, chosen_lp, top_ids, top_lp, sample_index, prompt,
-                           constrained)
+                           constrained).copy_to_host()
 
     def collect(self, pending: PendingStep) -> StepResult:
-        """Bring a step's results to the CPU (the only device-to-host synchronisation of a step)."""
+        """Wait for a step's results on the host (the only wait of a step) and turn them into its
+        ``StepResult``."""
+        if pending.copied is not None:
+            pending.copied.synchronize()
         tokens: dict[int, SampledToken] = {}
         if pending.sampled is not None:
             ids = pending.sampled.tolist()

@@ -1,5 +1,6 @@
 """A worker process: one per device (or CPU rank). Receives every step plan, runs its DP rank's
-part on its model shard and caches, and returns its sampled tokens.
+part on its model shard and caches, and returns its sampled tokens (one step behind the plans it
+has launched: workers.step_pipeline).
 
 Startup: report ``joined`` (with the host name) as soon as the links to the engine core are open,
 set up torch.distributed when there are several ranks (experts are sharded over them), load the
@@ -18,7 +19,6 @@ import os
 import signal
 import socket
 import sys
-import traceback
 
 import msgspec
 import zmq
@@ -30,6 +30,7 @@ from engine_core.log_setup import configure_logging, worker_process_name
 from engine_core.protocol import MessageType, StepPlan, StepResult, WorkerControl
 
 from .memory import MallocTrimmer
+from .step_pipeline import StepPipeline
 
 log = logging.getLogger(__name__)
 PARENT_CHECK_INTERVAL_MS = 1000
@@ -82,6 +83,7 @@ def worker_main(config_json: bytes, endpoints_json: bytes, rank: int, dist_init_
     poller = zmq.Poller()
     poller.register(steps, zmq.POLLIN)
     drops = DropLog(f"worker {rank} steps")
+    pipeline = StepPipeline(runner, rank, results)
     trimmer = MallocTrimmer()  # gives the heap's free pages back once the worker is idle
     try:
         while True:
@@ -92,7 +94,7 @@ def worker_main(config_json: bytes, endpoints_json: bytes, rank: int, dist_init_
                     endpoints.cleanup()
                     return
                 continue
-            if not handle_message(steps.recv_multipart(copy=False), runner, rank, results, drops):
+            if not handle_message(steps.recv_multipart(copy=False), pipeline, drops):
                 return
             trimmer.busy()
     finally:
@@ -145,23 +147,26 @@ def _build_runner(config: EngineConfig, rank: int, dist_init_method: str):
     return ModelRunner(config, rank, dispatcher)
 
 
-def handle_message(frames: list, runner, rank: int, results, drops: DropLog) -> bool:
+def handle_message(frames: list, pipeline: StepPipeline, drops: DropLog) -> bool:
     """Act on one message from the step socket; False when asked to shut down."""
     message = parse(frames, STEP_TYPES, drops)
     if message is None:
         return True
     kind, body = message
+    rank = pipeline.rank
     if kind is MessageType.STEP:
         if not 0 <= rank < len(body.ranks):
             drops.drop(f"step {body.step_id} has {len(body.ranks)} rank batch(es), none for rank {rank}")
             return True
-        send(results, MessageType.STEP_RESULT, _run_step(runner, body, rank))
+        pipeline.run(body)
+    elif body.command == "collect":
+        pipeline.flush()
     elif body.command == "shutdown":
         return False
     elif body.command == "ping":
-        send(results, MessageType.CONTROL, WorkerControl("pong", rank, nonce=body.nonce))
+        send(pipeline.results, MessageType.CONTROL, WorkerControl("pong", rank, nonce=body.nonce))
     elif body.command == "grammar" and body.grammar is not None:
-        _prepare_grammar(runner, body.grammar)
+        _prepare_grammar(pipeline.runner, body.grammar)
     return True
 
 
@@ -171,20 +176,3 @@ def _prepare_grammar(runner, structured) -> None:
         runner.structured.cache.submit(structured)
     except Exception:  # an unreadable tokenizer: the engine core fails the request itself
         log.exception("cannot prepare a grammar")
-
-
-def _run_step(runner, plan: StepPlan, rank: int) -> StepResult:
-    try:
-        shape = None
-        if runner.expert_parallel is not None:
-            from .cuda_graphs import StepShape  # here: this module itself imports no torch
-            # every rank sees the whole plan, so all announce the same size without talking: the
-            # MoE exchanges of this step shrink to the busiest rank's tokens; and all decide alike
-            # whether the step replays a CUDA graph, and which one
-            runner.expert_parallel.set_step_tokens(max(sum(len(s.token_ids) for s in batch.sequences)
-                                                       for batch in plan.ranks))
-            shape = StepShape.of([batch.sequences for batch in plan.ranks])
-        return runner.collect(runner.execute(plan.step_id, plan.ranks[rank], plan.released_seq_ids, shape))
-    except Exception:
-        log.exception("step %d failed", plan.step_id)
-        return StepResult(plan.step_id, rank, [], error=traceback.format_exc(limit=8))

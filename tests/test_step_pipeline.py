@@ -1,0 +1,85 @@
+"""A worker launches step N+1 before it sends step N's results (workers/step_pipeline.py): the
+order of launches, collects and sent results, with a runner that records its calls and real
+ZeroMQ sockets; the engine-level behaviour (``collect`` messages, ``--no-zos``) is covered with
+real worker processes in tests/test_offline_dp.py."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import zmq
+
+from engine_core.protocol import MessageType, RankBatch, StepPlan, StepResult
+from workers.step_pipeline import StepPipeline
+
+
+class RecordingRunner:
+    """Stands in for the ModelRunner: records the order of its calls; a step id in ``fail`` fails to launch."""
+
+    expert_parallel = None
+
+    def __init__(self, fail=()):
+        self.calls, self.fail = [], set(fail)
+
+    def execute(self, step_id, work, released, shape):
+        self.calls.append(("execute", step_id))
+        if step_id in self.fail:
+            raise RuntimeError(f"launch {step_id} failed")
+        return step_id
+
+    def collect(self, pending):
+        self.calls.append(("collect", pending))
+        return StepResult(pending, 0, [])
+
+
+@pytest.fixture
+def sockets():
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push = context.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    yield push, pull
+    push.close(0)
+    pull.close(0)
+    context.term()
+
+
+def _sent(pull) -> list[tuple[int, bool]]:
+    """(step id, failed) of every result sent so far."""
+    out = []
+    while pull.poll(200):
+        kind, payload = pull.recv_multipart()
+        assert kind == MessageType.STEP_RESULT.value
+        result = msgspec.msgpack.decode(payload, type=StepResult)
+        out.append((result.step_id, bool(result.error)))
+    return out
+
+
+def _plan(step_id: int) -> StepPlan:
+    return StepPlan(step_id, False, [RankBatch([])])
+
+
+def test_results_leave_one_step_behind_the_launches(sockets):
+    push, pull = sockets
+    runner = RecordingRunner()
+    pipeline = StepPipeline(runner, 0, push)
+    pipeline.run(_plan(1))
+    assert _sent(pull) == [] and runner.calls == [("execute", 1)]
+    pipeline.run(_plan(2))
+    assert runner.calls[1:] == [("execute", 2), ("collect", 1)]  # step 2 launched before step 1 is waited for
+    assert _sent(pull) == [(1, False)]
+    pipeline.flush()  # the engine waits for the newest step: nothing else will push it out
+    assert _sent(pull) == [(2, False)]
+    pipeline.flush()  # nothing held: nothing sent
+    assert _sent(pull) == [] and runner.calls[-1] == ("collect", 2)
+
+
+def test_a_failed_launch_reports_after_its_predecessor(sockets):
+    push, pull = sockets
+    pipeline = StepPipeline(RecordingRunner(fail={4}), 0, push)
+    pipeline.run(_plan(3))
+    pipeline.run(_plan(4))
+    assert _sent(pull) == [(3, False), (4, True)]
+    pipeline.flush()  # the failed step is not held
+    assert _sent(pull) == []
