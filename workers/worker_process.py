@@ -27,7 +27,7 @@ from engine_core.cluster import NodeLayout
 from engine_core.config import EngineConfig
 from engine_core.ipc import DropLog, Endpoints, parse, send
 from engine_core.log_setup import configure_logging, worker_process_name
-from engine_core.protocol import MessageType, StepPlan, StepResult, WorkerControl
+from engine_core.protocol import MessageType, StepPlan, WorkerControl
 
 from .memory import MallocTrimmer
 from .step_pipeline import StepPipeline
