@@ -10,7 +10,7 @@ kernel backend and batch size: ``batch`` (per rank) token-id prompts of
 ``--context`` tokens, greedy, ``ignore_eos``. Once every sequence is decoding, ``--steps`` engine
 steps are timed together (host clock between two device synchronisations; the engine keeps one
 step queued ahead, as when serving) and their mean is the step time, so prefill and warm-up stay
-outside it; the first batch is run once more before, untimed (compilation, allocator).
+outside it; every batch is run once before, untimed (compilation, allocator, first graph launches).
 
 The limit of a step is what the device must at least do: read every weight the step touches once
 (the dense weights, the head and the expected number of distinct routed experts hit by
@@ -146,13 +146,18 @@ def profile_steps(llm: LLM, prompts: list[list[int]], out_path: str) -> None:
     """Where a decode step's time goes: device kernels by total time, and the host's share."""
     from torch.profiler import ProfilerActivity, profile
 
+    from torch.autograd import DeviceType
+
+    steps = 4
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    decode_step_times(llm, prompts, 4, around_steps=prof)
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    decode_step_times(llm, prompts, steps, around_steps=prof)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=200)
     busy, span = device_busy(prof)
+    launches = sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA) / steps
     summary = (f"device busy {busy / 1e3:.2f} ms of {span / 1e3:.2f} ms from the first to the last device activity "
-               f"of the profiled steps: GPU idle {100 * (1 - busy / span):.1f}% (union of kernel, copy and set "
-               f"intervals from the profiler trace)" if span else "no device activity recorded")
+               f"of the {steps} profiled steps: GPU idle {100 * (1 - busy / span):.1f}% (union of kernel, copy and "
+               f"set intervals from the profiler trace, whose own host overhead it includes); {launches:.0f} device "
+               f"activities per step" if span else "no device activity recorded")
     Path(out_path).write_text(table + "\n" + summary + "\n")
     print(table[:6000], flush=True)
     print(summary, flush=True)
@@ -246,11 +251,10 @@ def main() -> int:
         else:
             print(f"# {variant}: {args.dp} ranks ready in {load_s:.1f} s (weights and caches: each rank's log)",
                   flush=True)
-        for i, batch in enumerate(runnable):
+        for batch in runnable:
             prompts = [[(s * 7919 + t * 104729) % (cfg.vocab_size - 10) + 5 for t in range(args.context)]
                        for s in range(batch * args.dp)]
-            if i == 0:
-                decode_step_times(llm, prompts, 2)  # warm-up: compilation, allocator
+            decode_step_times(llm, prompts, 2)  # warm-up: compilation, allocator, the batch's graphs
             prefill, step = decode_step_times(llm, prompts, steps)
             nbytes, flops = step_cost(cfg, batch, args.context, args.dp)
             limit = max(nbytes / bandwidth, flops / peak)
