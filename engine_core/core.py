@@ -44,7 +44,8 @@ class EngineCore:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             num_blocks=info.num_blocks, num_state_slots=info.num_slots, block_size=config.block_size,
-            max_model_len=info.max_model_len, eos_token_id=info.eos_token_id, dp_size=config.dp_size))
+            max_model_len=info.max_model_len, eos_token_id=info.eos_token_id, dp_size=config.dp_size,
+            mixed_steps=config.mixed_steps))
         self.vocab_size = info.vocab_size
         self.max_model_len = self.scheduler.max_len  # the model's limit, or less if the KV cache is smaller
         if self.max_model_len < info.max_model_len:

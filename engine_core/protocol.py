@@ -248,7 +248,7 @@ class RankBatch(msgspec.Struct, array_like=True):
 
 class StepPlan(msgspec.Struct, array_like=True):
     step_id: int
-    is_prefill: bool
+    is_prefill: bool  # the step has prompt chunks (with mixed steps, decode rows may run beside them)
     ranks: list[RankBatch]  # one per DP rank; a rank with no sequences runs a placeholder step
     released_seq_ids: list[int] = []  # constrained sequences finished since the last plan: drop their matchers
 

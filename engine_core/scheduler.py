@@ -1,9 +1,12 @@
 """The scheduler: which sequences run in the next step, over how many tokens, in which blocks.
 
-Pure CPU logic. Each call to ``schedule`` returns one ``StepPlan`` that is either a prefill step
-(chunks of prompts, at most ``max_num_batched_tokens`` tokens per DP rank) or a decode step
-(one token for every running sequence that is ready), never both; ``update`` applies a step's
-sampled tokens. With zero-overhead scheduling the engine calls ``schedule`` for step N+1 before
+Pure CPU logic. Each call to ``schedule`` returns one ``StepPlan``: one token for every running
+sequence that is ready to decode, then chunks of prompts in what is left of the step's token budget
+(``max_num_batched_tokens`` per DP rank), as vLLM's chunked prefill does. A decoding sequence thus
+never waits for other requests' prompts; a step with prompt chunks runs eagerly on the workers
+(CUDA graphs cover pure decode steps), and it would anyway. ``mixed_steps=False``
+(``--no-mixed-steps``) plans the older way: a prefill step (prompt chunks only) whenever a prompt
+chunk can run, else a decode step. ``update`` applies a step's sampled tokens. With zero-overhead scheduling the engine calls ``schedule`` for step N+1 before
 applying step N's results: a decode input that is still on the device is referenced by its row in
 the previous step (``prev_row``), and every capacity decision is taken on what is already
 reserved (blocks are allocated when a position is scheduled, not when its token is known).
@@ -42,6 +45,7 @@ class SchedulerConfig:
     max_model_len: int
     eos_token_id: int | None = None
     dp_size: int = 1
+    mixed_steps: bool = True  # decode rows and prompt chunks in one step (else one kind per step)
 
 
 @dataclass
@@ -123,9 +127,15 @@ class Scheduler:
     # ------------------------------------------------------------------ planning
     def schedule(self) -> StepPlan | None:
         rows: list[list[SequenceStep]] = [[] for _ in self.ranks]
-        is_prefill = self._schedule_prefill(rows)
-        if not is_prefill:
+        if self.config.mixed_steps:
+            # decode first: its preemptions only touch sequences planned before this call, and the
+            # prompt chunks get the budget the decode rows leave
             self._schedule_decode(rows)
+            is_prefill = self._schedule_prefill(rows, [len(rank_rows) for rank_rows in rows])
+        else:
+            is_prefill = self._schedule_prefill(rows)
+            if not is_prefill:
+                self._schedule_decode(rows)
         if not any(rows):
             return None
         rank_tokens = [sum(len(step.token_ids) for step in rank_rows) for rank_rows in rows]
@@ -142,15 +152,17 @@ class Scheduler:
         """Blocks a sequence needs, beyond those it holds, to cache positions < end."""
         return max(0, -(-end // self.config.block_size) - len(seq.block_table))
 
-    def _schedule_prefill(self, rows: list[list[SequenceStep]]) -> bool:
+    def _schedule_prefill(self, rows: list[list[SequenceStep]], decode_tokens: list[int] | None = None) -> bool:
+        """Prompt chunks in the budget left by ``decode_tokens`` (per rank); True if any was planned."""
         cfg = self.config
-        budgets = [cfg.max_num_batched_tokens] * len(self.ranks)
+        budgets = [cfg.max_num_batched_tokens - used for used in (decode_tokens or [0] * len(self.ranks))]
+        chunks_before = sum(len(rank_rows) for rank_rows in rows)
         # chunks of prompts already admitted continue first (oldest first)
         for r, rank in enumerate(self.ranks):
             for seq in list(rank.running):
                 if seq.status is SequenceStatus.RUNNING and seq.is_prefilling and budgets[r] > 0:
                     used = self._prefill_chunk(seq, rank, budgets[r], rows[r])
-                    if used == 0 and not rows[r]:
+                    if used == 0 and not rows[r]:  # (never beside decode rows: it could preempt them)
                         used = self._unblock(seq, rank, budgets[r], rows[r])
                     budgets[r] -= used
         while self.waiting:
@@ -166,7 +178,7 @@ class Scheduler:
             if not seq.first_scheduled_time:
                 seq.first_scheduled_time = time.time()
             budgets[r] -= self._prefill_chunk(seq, rank, budgets[r], rows[r])
-        return any(rows)
+        return sum(len(rank_rows) for rank_rows in rows) > chunks_before
 
     def _pick_rank(self, seq: Sequence, budgets: list[int]) -> int | None:
         """The rank with the most free capacity among those that can take the head of the queue now.

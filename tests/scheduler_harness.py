@@ -203,7 +203,13 @@ class Driver:
                 else:  # preempted and re-admitted within this very schedule() call
                     assert step.epoch > epoch and step.start == 0
                     cached, inflight = 0, 0
-                if not plan.is_prefill:
+                # a decode row belongs to a sequence that sampled in this epoch; the others are
+                # (re)prefill chunks. Without mixed steps a step holds one kind only.
+                decode_row = (step.seq_id, step.epoch) in self.sampled_epochs
+                if not self.sched.config.mixed_steps:
+                    assert decode_row == (not plan.is_prefill), \
+                        f"step {plan.step_id}: seq {step.seq_id} in a {'prefill' if plan.is_prefill else 'decode'} step"
+                if decode_row:
                     assert len(step.token_ids) == 1 and step.sample
                     # the decode advance rule
                     assert cached == ntok + inflight - 1, (cached, ntok, inflight)
@@ -216,13 +222,12 @@ class Driver:
                         assert step.prev_row == -1 and step.token_ids != [-1]
                 else:
                     assert step.prev_row == -1
-                # a prefill step holds only (re)prefill chunks, a decode step only sequences that sampled
-                assert ((step.seq_id, step.epoch) in self.sampled_epochs) == (not plan.is_prefill), \
-                    f"step {plan.step_id}: seq {step.seq_id} in a {'prefill' if plan.is_prefill else 'decode'} step"
+            chunks = [s for s in batch.sequences if (s.seq_id, s.epoch) not in self.sampled_epochs]
+            assert bool(chunks) <= plan.is_prefill, f"step {plan.step_id}: prompt chunks in a step not marked prefill"
             for step in batch.sequences:
                 if step.sample:
                     self.sampled_epochs.add((step.seq_id, step.epoch))
-            if plan.is_prefill:
+            if chunks:  # decode rows count against the budget too
                 assert sum(len(s.token_ids) for s in batch.sequences) <= self.sched.config.max_num_batched_tokens
 
     def drain(self) -> None:

@@ -186,13 +186,15 @@ def _noisy_token(seq_id: int, position: int) -> int:
     return fake_token(seq_id, position)
 
 
-@pytest.mark.parametrize("seed,zos,dp", [(0, True, 1), (1, False, 1), (2, True, 2), (3, True, 1), (4, False, 2)])
-def test_random_operations_keep_the_invariants(seed, zos, dp):
+@pytest.mark.parametrize("seed,zos,dp,mixed", [(0, True, 1, True), (1, False, 1, True), (2, True, 2, True),
+                                              (3, True, 1, True), (4, False, 2, True), (5, True, 1, False),
+                                              (6, True, 2, False)])
+def test_random_operations_keep_the_invariants(seed, zos, dp, mixed):
     rng = random.Random(seed)
     max_len = 40
     # capacity (11 blocks x 4 = 44 tokens per rank) >= max_model_len: every sequence fits alone
     sched = make_scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=rng.choice([5, 12, 64]),
-                           max_num_seqs=4, num_state_slots=3, max_model_len=max_len, dp_size=dp)
+                           max_num_seqs=4, num_state_slots=3, max_model_len=max_len, dp_size=dp, mixed_steps=mixed)
     d = Driver(sched, zos=zos, token_fn=_noisy_token)
     seqs, aborted, next_id = [], set(), 0
     for _ in range(400):

@@ -39,7 +39,7 @@ def test_chunks_are_contiguous_cover_the_prompt_and_only_the_last_samples():
 
 
 def test_budget_is_shared_oldest_first_and_new_prompts_fill_the_rest():
-    sched = make_scheduler(max_num_batched_tokens=10, block_size=4)
+    sched = make_scheduler(max_num_batched_tokens=10, block_size=4, mixed_steps=False)
     d = Driver(sched)
     a, b, c = d.add(make_seq(0, 7)), d.add(make_seq(1, 9)), d.add(make_seq(2, 3))
     p1 = d.step()
@@ -72,8 +72,8 @@ def test_chunked_and_unchunked_give_the_same_tokens(zos):
 
 
 @pytest.mark.parametrize("zos", [False, True])
-def test_a_step_is_prefill_or_decode_never_both(zos):
-    sched = make_scheduler(max_num_batched_tokens=6)
+def test_without_mixed_steps_a_step_is_prefill_or_decode_never_both(zos):
+    sched = make_scheduler(max_num_batched_tokens=6, mixed_steps=False)
     d = Driver(sched, zos=zos)
     d.add(make_seq(0, 5, max_tokens=12))
     for _ in range(4):
@@ -83,6 +83,40 @@ def test_a_step_is_prefill_or_decode_never_both(zos):
     chunk_plans = [p for p in d.plans if any(s.seq_id == 1 and not s.sample for s in rows(p))]
     assert len(chunk_plans) == 3 and all(p.is_prefill and len(rows(p)) == 1 for p in chunk_plans)
     assert sum(not p.is_prefill and {s.seq_id for s in rows(p)} == {0, 1} for p in d.plans) >= 3
+
+
+@pytest.mark.parametrize("zos", [False, True])
+def test_mixed_steps_decode_first_and_give_prompts_the_budget_left(zos):
+    """A sequence that decodes gets its token in every step while another prompt is chunked beside
+    it; the chunk takes what the decode row leaves of the budget."""
+    sched = make_scheduler(max_num_batched_tokens=6)
+    d = Driver(sched, zos=zos)
+    first = d.add(make_seq(0, 5, max_tokens=12))
+    for _ in range(4):
+        d.step()
+    second = d.add(make_seq(1, 20, max_tokens=4))
+    d.run()  # the Driver checks every row: decode rows follow the advance rule, chunks are contiguous
+    chunk_plans = [p for p in d.plans if any(s.seq_id == 1 and len(s.token_ids) > 1 for s in rows(p))]
+    assert [[(s.seq_id, len(s.token_ids)) for s in rows(p)] for p in chunk_plans] == [[(0, 1), (1, 5)]] * 4
+    assert all(p.is_prefill for p in chunk_plans)
+    for seq in (first, second):
+        assert d.tokens(seq.request_id) == expected_outputs(seq, 512)[0]
+    assert_all_free(sched)
+
+
+def test_decode_rows_beyond_the_budget_leave_no_room_for_prompts():
+    sched = make_scheduler(max_num_batched_tokens=2)
+    d = Driver(sched, zos=False)
+    running = [d.add(make_seq(i, 1, max_tokens=6)) for i in range(2)]
+    d.step()  # both one-token prompts in one step
+    late = d.add(make_seq(2, 2, max_tokens=2))
+    plan = d.step()
+    assert [s.seq_id for s in rows(plan)] == [0, 1] and not plan.is_prefill  # two decode rows fill it
+    assert late.status is SequenceStatus.WAITING
+    d.run()
+    for seq in running + [late]:
+        assert d.tokens(seq.request_id) == expected_outputs(seq, 512)[0]
+    assert_all_free(sched)
 
 
 # ============================================================================= decode advance rule / ZOS
@@ -209,15 +243,16 @@ def test_preemption_victim_is_the_latest_arrival_not_the_longest_output():
     assert not d.plans[-1].is_prefill and 2 not in {s.seq_id for s in rows(d.plans[-1])}
 
 
-def test_after_a_prefill_step_all_running_sequences_decode_in_every_step():
-    sched = make_scheduler()
+@pytest.mark.parametrize("mixed_steps", [True, False])
+def test_after_a_prefill_step_all_running_sequences_decode_in_every_step(mixed_steps):
+    sched = make_scheduler(mixed_steps=mixed_steps)
     d = Driver(sched)
     d.add(make_seq(0, 4, max_tokens=30))
     for _ in range(3):
         d.step()
     d.add(make_seq(1, 4, max_tokens=10))
-    admitted = d.step()
-    assert [s.seq_id for s in rows(admitted)] == [1]
+    admitted = d.step()  # with mixed steps the running sequence decodes beside the new prompt
+    assert [s.seq_id for s in rows(admitted)] == ([0, 1] if mixed_steps else [1])
     following = [d.step() for _ in range(8)]
     assert all({s.seq_id for s in rows(p)} == {0, 1} for p in following), \
         [sorted(s.seq_id for s in rows(p)) for p in following]

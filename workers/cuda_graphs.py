@@ -156,16 +156,10 @@ class DecodeGraphs:
         for rows in reversed(self.plan.batch_sizes):
             for key_tokens in reversed(self.plan.context_sizes):
                 self._capture(rows, key_tokens)
-        captured = time.perf_counter()
-        # a graph's first launch also moves it to the device (one launch took ~200 ms at batch 256):
-        # pay that here rather than in the first step of each bucket (every row is a padding row)
-        for graph in self.graphs.values():
-            graph.replay()
         torch.cuda.synchronize()
-        log.info("CUDA graphs: %d decode graphs (batch %s; context %s tokens) captured in %.1f s and launched once "
-                 "in %.1f s, %.2f GiB", len(self.graphs), _span(self.plan.batch_sizes),
-                 _span(self.plan.context_sizes), captured - started, time.perf_counter() - captured,
-                 (torch.cuda.memory_reserved() - before) / 2**30)
+        log.info("CUDA graphs: %d decode graphs (batch %s; context %s tokens) captured in %.1f s, %.2f GiB",
+                 len(self.graphs), _span(self.plan.batch_sizes), _span(self.plan.context_sizes),
+                 time.perf_counter() - started, (torch.cuda.memory_reserved() - before) / 2**30)
 
     def _capture(self, rows: int, key_tokens: int) -> None:
         self._fill_padding(rows)
