@@ -67,9 +67,10 @@ class EngineConfig:
         "intra-op threads of a CPU worker (small models run fastest on one)"))
     zos: bool = field(default=True, metadata=flag(
         "zero-overhead scheduling: plan step N+1 while step N runs", negative="--no-zos"))
-    mixed_steps: bool = field(default=True, metadata=flag(
+    mixed_steps: bool = field(default=False, metadata=flag(
         "decode rows and prompt chunks in one step (decode first, prompts in the budget left); off: a step "
-        "runs prompt chunks or decode rows, prompts first", negative="--no-mixed-steps"))
+        "runs prompt chunks or decode rows, prompts first (faster on GPU while steps with prompt chunks run "
+        "eagerly: docs/benchmarks.md)", negative="--no-mixed-steps"))
     batch_invariant: bool | None = field(default=None, metadata=flag(
         "every row's result independent of the batch it is in", negative="--no-batch-invariant",
         default_help="on for cpu, off for cuda"))

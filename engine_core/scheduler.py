@@ -1,12 +1,14 @@
 """The scheduler: which sequences run in the next step, over how many tokens, in which blocks.
 
-Pure CPU logic. Each call to ``schedule`` returns one ``StepPlan``: one token for every running
-sequence that is ready to decode, then chunks of prompts in what is left of the step's token budget
-(``max_num_batched_tokens`` per DP rank), as vLLM's chunked prefill does. A decoding sequence thus
-never waits for other requests' prompts; a step with prompt chunks runs eagerly on the workers
-(CUDA graphs cover pure decode steps), and it would anyway. ``mixed_steps=False``
-(``--no-mixed-steps``) plans the older way: a prefill step (prompt chunks only) whenever a prompt
-chunk can run, else a decode step. ``update`` applies a step's sampled tokens. With zero-overhead scheduling the engine calls ``schedule`` for step N+1 before
+Pure CPU logic. Each call to ``schedule`` returns one ``StepPlan``: a prefill step (chunks of
+prompts, at most ``max_num_batched_tokens`` tokens per DP rank) whenever a prompt chunk can run,
+else a decode step (one token for every running sequence that is ready). With ``mixed_steps``
+(``--mixed-steps``, as vLLM's chunked prefill) a step holds both: the decode rows first, then prompt
+chunks in what they leave of the budget, so a decoding sequence never waits for other requests'
+prompts. It is off by default: a step with prompt chunks runs eagerly (CUDA graphs cover pure
+decode steps), and on GPU an eager step costs several graph steps, so mixing small prompt chunks
+into most steps served fewer tokens than running the waiting prompts together in one step
+(docs/benchmarks.md). ``update`` applies a step's sampled tokens. With zero-overhead scheduling the engine calls ``schedule`` for step N+1 before
 applying step N's results: a decode input that is still on the device is referenced by its row in
 the previous step (``prev_row``), and every capacity decision is taken on what is already
 reserved (blocks are allocated when a position is scheduled, not when its token is known).
@@ -45,7 +47,7 @@ class SchedulerConfig:
     max_model_len: int
     eos_token_id: int | None = None
     dp_size: int = 1
-    mixed_steps: bool = True  # decode rows and prompt chunks in one step (else one kind per step)
+    mixed_steps: bool = False  # decode rows and prompt chunks in one step (else one kind per step)
 
 
 @dataclass

@@ -121,3 +121,25 @@ def test_zos_off_gives_the_same_tokens(tiny_checkpoint, baseline):
 def test_chunked_prefill_gives_the_same_tokens(tiny_checkpoint, baseline):
     sigs, _ = run_batch(tiny_checkpoint, **dict(BASE, max_num_batched_tokens=32))
     assert [i for i in range(16) if sigs[i] != baseline[i]] == []
+
+
+@pytest.mark.parametrize("engine_args", [dict(BASE, max_num_batched_tokens=64), dict(TIGHT, max_num_batched_tokens=64)],
+                         ids=["chunked", "preempting"])
+def test_mixed_steps_give_the_same_tokens(tiny_checkpoint, baseline, engine_args):
+    """Decode rows beside prompt chunks (``--mixed-steps``): the same tokens, and such steps did run."""
+    indices = TIGHT_REQUESTS if engine_args["num_blocks"] == TIGHT["num_blocks"] else range(16)
+    llm = LLM(str(tiny_checkpoint), mixed_steps=True, **engine_args)
+    schedule, mixed = llm.engine.scheduler.schedule, []
+
+    def recording_schedule():
+        plan = schedule()
+        rows = [s for batch in plan.ranks for s in batch.sequences] if plan is not None else []
+        mixed.append(any(len(s.token_ids) > 1 for s in rows) and any(s.token_ids == [-1] for s in rows))
+        return plan
+
+    llm.engine.scheduler.schedule = recording_schedule
+    results = llm.generate([PROMPTS[i] for i in indices], [PARAMS[i] for i in indices], use_tqdm=False)
+    assert sum(mixed) >= 3
+    assert [i for i, r in zip(indices, results) if signature(r) != baseline[i]] == []
+    stats = llm.engine.stats()
+    assert stats.kv_blocks_used == 0 and stats.state_slots_used == 0

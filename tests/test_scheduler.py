@@ -89,7 +89,7 @@ def test_without_mixed_steps_a_step_is_prefill_or_decode_never_both(zos):
 def test_mixed_steps_decode_first_and_give_prompts_the_budget_left(zos):
     """A sequence that decodes gets its token in every step while another prompt is chunked beside
     it; the chunk takes what the decode row leaves of the budget."""
-    sched = make_scheduler(max_num_batched_tokens=6)
+    sched = make_scheduler(max_num_batched_tokens=6, mixed_steps=True)
     d = Driver(sched, zos=zos)
     first = d.add(make_seq(0, 5, max_tokens=12))
     for _ in range(4):
@@ -105,7 +105,7 @@ def test_mixed_steps_decode_first_and_give_prompts_the_budget_left(zos):
 
 
 def test_decode_rows_beyond_the_budget_leave_no_room_for_prompts():
-    sched = make_scheduler(max_num_batched_tokens=2)
+    sched = make_scheduler(max_num_batched_tokens=2, mixed_steps=True)
     d = Driver(sched, zos=False)
     running = [d.add(make_seq(i, 1, max_tokens=6)) for i in range(2)]
     d.step()  # both one-token prompts in one step
