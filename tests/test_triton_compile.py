@@ -109,27 +109,30 @@ def main() -> int:
                 check(f"moe {name} fmt={b_fmt} {cfg}", fn, types, constants, cfg, spill_free=b_fmt == 3,
                       aligned=tuple(a for a in aligned if a in fn.arg_names))
 
-    decode = {"a_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32",
-              **scalars("M N K k_per_split splits stride_am stride_ag stride_wn stride_wg stride_sn stride_sg "
-                        "stride_os stride_om")}
+    decode = {"a_ptr": "*bf16", **scalars("M N K k_per_split stride_am stride_ag stride_wn stride_wg stride_sn "
+                                           "stride_sg stride_os stride_om")}
     for bound, cfg in tile_configs._DECODE_MM_TABLE:
         block_t = max(16, bound)
         for b_fmt, partial, out_f32 in ((0, True, False), (0, False, False), (2, False, True)):  # wo_a; the head
             types = {**decode, "w_ptr": "*u8" if b_fmt == 0 else "*bf16", "s_ptr": "*u8" if b_fmt == 0 else "*bf16",
-                     "out_ptr": "*fp32" if out_f32 else "*bf16"}
+                     "out_ptr": "*fp32" if partial or out_f32 else "*bf16"}
             check(f"decode_mm fmt={b_fmt} partial={partial} {cfg}", triton_decode_mm._decode_mm_kernel, types,
                   {"B_FMT": b_fmt, "BLOCK_T": block_t, "BLOCK_W": cfg.block_w,
                    "BLOCK_K": cfg.block_k, "PARTIAL": partial, "OUT_F32": out_f32, "EXACT_DOT": False}, cfg)
-    fp8_names = "M N K k_per_split splits stride_am stride_wn stride_sn stride_os stride_om"
+    fp8_names = "M N K k_per_split stride_am stride_wn stride_sn stride_os stride_om"
     for bound, cfg in tile_configs._FP8_DECODE_TABLE:
         for block_t, partial in ((16, True), (bound, True), (bound, False)):  # the smallest and largest token tile
-            types = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*bf16", "part_ptr": "*fp32",
-                     "counter_ptr": "*i32", **scalars(fp8_names)}
+            types = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*fp32" if partial else "*bf16",
+                     **scalars(fp8_names)}
             check(f"fp8_decode_mm tokens={block_t} partial={partial} {cfg}", triton_decode_mm._fp8_decode_mm_kernel,
                   types, {"BLOCK_T": block_t, "BLOCK_W": cfg.block_w, "BLOCK_K": cfg.block_k, "PARTIAL": partial,
                           "EXACT_DOT": False}, cfg,
-                  aligned=("a_ptr", "w_ptr", "s_ptr", "out_ptr", "part_ptr", "N", "K", "k_per_split", "stride_am",
-                           "stride_wn", "stride_os", "stride_om"), spill_free=True)
+                  aligned=("a_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "K", "k_per_split", "stride_am", "stride_wn",
+                           "stride_os", "stride_om"), spill_free=True)
+    for out_f32 in (False, True):
+        check(f"sum_splits out_f32={out_f32}", triton_decode_mm._sum_splits_kernel,
+              {"part_ptr": "*fp32", "out_ptr": "*fp32" if out_f32 else "*bf16", "numel": "i32"},
+              {"SPLITS": 4, "OUT_F32": out_f32, "BLOCK": 1024, "EXACT_DOT": False}, wgmma=False)
 
     attention = triton_sparse_attention
     sizes = "H D L stride_qt stride_qh stride_pool stride_it stride_vt stride_ot stride_oh"

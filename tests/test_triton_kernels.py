@@ -218,8 +218,6 @@ def test_decode_form_matches_reference(max_splits, m, fp8_step, monkeypatch):
     got = kernels.logits(hidden.to(device()), head.to(device())).cpu()
     assert got.dtype == torch.float32
     assert torch.allclose(got, ref, rtol=0, atol=float(ref.abs().max()) * 2.0 ** -18)
-    if max_splits > 1:  # the last split of each tile added the partials and set its counter back to 0
-        assert not any(counters.any() for counters in triton_decode_mm._counters.values())
 
 
 def test_decode_form_split_count_fills_the_gpu():

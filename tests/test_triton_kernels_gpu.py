@@ -60,24 +60,6 @@ def test_fp8_linear_real_shapes(kernels, name):
         assert torch.equal(decode_k.quantized_linear(x[:m], weight), decoded), f"M={m}: not deterministic"
 
 
-def test_split_k_partials_add_up_the_same_whichever_split_arrives_last(kernels):
-    """The last split of a tile to arrive adds the tile's partials (in split order) and resets its
-    counter: 200 back-to-back launches with many splits give the first one's bits (the reference
-    check of ``test_fp8_linear_real_shapes`` covers the values), and the counters end at zero. A
-    partial read before it was written, or a counter left behind, breaks the equality."""
-    from model.kernels import triton_decode_mm
-
-    _, _, decode_k = kernels
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    n, k = FP8_SHAPES["wkv"]  # 4 tiles, every 128-column step a split
-    weight = fp8_weight(n, k, gen)
-    x = torch.randn(7, k, device="cuda", generator=gen).bfloat16()
-    first = decode_k.quantized_linear(x, weight)
-    runs = [decode_k.quantized_linear(x, weight) for _ in range(200)]
-    assert all(torch.equal(run, first) for run in runs)
-    assert not any(counters.any() for counters in triton_decode_mm._counters.values())
-
-
 def test_fp8_linear_prefill_rows_equal_decode_rows(kernels):
     triton_k, _, _ = kernels
     gen = torch.Generator(device="cuda").manual_seed(11)

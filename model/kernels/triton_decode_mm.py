@@ -24,12 +24,9 @@ Both take the products transposed and split K:
 * operands swapped (``C^T = W a^T``): weight rows fill the tensor cores' 64-row side, the tokens
   (16 to 64, padded) the narrow side, so no instruction row is wasted on absent tokens;
 * split-K: K is cut into ``splits`` equal ranges so that there are a few programs per SM even for
-  the narrow matrices (``wkv`` has 4 tiles of 128 rows). Each program writes its fp32 partial sums
-  and counts itself in its tile's counter; the last of a tile's splits to arrive adds the tile's
-  partials in split order (deterministic: the same inputs give the same bits on every run, whichever
-  program comes last), rounds once, and sets the counter back to 0 for the next launch
-  (``_add_splits_if_last``). A separate summing kernel did this before: one launch more per product,
-  ~3 µs each, 69 of them in a one-token decode step of 8 layers. One split writes the output directly.
+  the narrow matrices (``wkv`` has 4 tiles of 128 rows). Each program writes its fp32 partial sums;
+  ``_sum_splits_kernel`` adds them in split order (deterministic: the same inputs give the same
+  bits on every run) and rounds once. One split writes the output directly.
 
 Not batch invariant: the split, and the summation order it implies, depend on the shape, and the
 prefill form (``bf16_mm``) sums K in one pass. ``TritonKernels(batch_invariant=True)`` therefore
@@ -55,27 +52,7 @@ MAX_TOKENS = 64
 
 
 @triton.jit
-def _add_splits_if_last(part_ptr, out_ptr, counter_ptr, mask, splits, stride_os, OUT_F32: tl.constexpr,
-                        EXACT_DOT: tl.constexpr):
-    """Called by every split of a tile once its partial is stored: the last one to arrive adds the
-    tile's ``splits`` partials (``part_ptr``: split 0's, the others ``stride_os`` apart) in split
-    order into ``out_ptr``, then resets the tile's counter."""
-    tl.debug_barrier()  # all of this program's partial is stored before it counts itself
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")  # the others' partials visible after
-    if arrived == splits - 1:
-        # from L2 (".cg"): another program's partial must not come from a stale line of this SM's L1
-        total = tl.load(part_ptr, mask=mask, other=0.0, cache_modifier=".cg")
-        for split in range(1, splits):
-            total += tl.load(part_ptr + split * stride_os, mask=mask, other=0.0, cache_modifier=".cg")
-        if OUT_F32:
-            tl.store(out_ptr, total, mask=mask)
-        else:
-            tl.store(out_ptr, to_bf16(total, EXACT_DOT), mask=mask)
-        tl.atomic_xchg(counter_ptr, 0)  # for the next launch, or the next replay of a CUDA graph
-
-
-@triton.jit
-def _fp8_decode_mm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr, counter_ptr, M, N, K, k_per_split, splits,
+def _fp8_decode_mm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
                           stride_am, stride_wn, stride_sn, stride_os, stride_om,
                           BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
                           EXACT_DOT: tl.constexpr):
@@ -103,17 +80,15 @@ def _fp8_decode_mm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr, counter_ptr, M
                 part = tl.dot(w, tl.trans(q.to(tl.float16)))
             acc += part * tl.reshape(a_scale, (BLOCK_T,))[None, :] * w_scale[:, None]  # the reference's order
     mask = (offs_t[None, :] < M) & row_ok[:, None]
-    elements = offs_t[None, :] * stride_om + offs_w[:, None]
+    out_ptr += split * stride_os + offs_t[None, :] * stride_om + offs_w[:, None]
     if PARTIAL:
-        tl.store(part_ptr + split * stride_os + elements, acc, mask=mask)
-        _add_splits_if_last(part_ptr + elements, out_ptr + elements, counter_ptr + pid_w, mask, splits, stride_os,
-                            False, EXACT_DOT)
+        tl.store(out_ptr, acc, mask=mask)
     else:
-        tl.store(out_ptr + elements, to_bf16(acc, EXACT_DOT), mask=mask)
+        tl.store(out_ptr, to_bf16(acc, EXACT_DOT), mask=mask)
 
 
 @triton.jit
-def _decode_mm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr, counter_ptr, M, N, K, k_per_split, splits,
+def _decode_mm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
                       stride_am, stride_ag, stride_wn, stride_wg, stride_sn, stride_sg, stride_os, stride_om,
                       B_FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
                       BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, OUT_F32: tl.constexpr,
@@ -138,16 +113,25 @@ def _decode_mm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, part_ptr, counter_ptr, M, N,
             acc = tl.dot(w, tl.trans(a), acc)
     cols = group * N + offs_w  # the output's columns: groups side by side
     mask = (offs_t[None, :] < M) & (offs_w[:, None] < N)
-    elements = offs_t[None, :] * stride_om + cols[:, None]
-    if PARTIAL:
-        tl.store(part_ptr + split * stride_os + elements, acc, mask=mask)
-        tile = group * tl.num_programs(0) + pid_w
-        _add_splits_if_last(part_ptr + elements, out_ptr + elements, counter_ptr + tile, mask, splits, stride_os,
-                            OUT_F32, EXACT_DOT)
-    elif OUT_F32:
-        tl.store(out_ptr + elements, acc, mask=mask)
+    out_ptr += split * stride_os + offs_t[None, :] * stride_om + cols[:, None]
+    if PARTIAL or OUT_F32:
+        tl.store(out_ptr, acc, mask=mask)
     else:
-        tl.store(out_ptr + elements, to_bf16(acc, EXACT_DOT), mask=mask)
+        tl.store(out_ptr, to_bf16(acc, EXACT_DOT), mask=mask)
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLITS: tl.constexpr, OUT_F32: tl.constexpr, BLOCK: tl.constexpr,
+                       EXACT_DOT: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    total = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for split in tl.static_range(1, SPLITS):  # split order: the same bits on every run
+        total += tl.load(part_ptr + split * numel + offs, mask=mask, other=0.0)
+    if OUT_F32:
+        tl.store(out_ptr + offs, total, mask=mask)
+    else:
+        tl.store(out_ptr + offs, to_bf16(total, EXACT_DOT), mask=mask)
 
 
 SHARED_MEMORY_BYTES = 200 * 1024  # of the 227 KiB an H100/H200 block may use: room for the compiler's own
@@ -171,22 +155,12 @@ def split_count(cfg: DecodeConfig, n: int, k: int, groups: int, sms: int) -> tup
     return triton.cdiv(steps, steps_per_split), steps_per_split * cfg.block_k
 
 
-MAX_TILES = 1 << 14  # counters per device: tiles (x groups) of one launch
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The device's tile counters (int32 zeros; every launch leaves them at zero). Made at the first
-    split product, which runs eagerly: CUDA graphs are captured after an eager run of each shape, and
-    a zero fill recorded in a capture would not run before the graph's first replay."""
-    if tiles > MAX_TILES:
-        raise ValueError(f"{tiles} output tiles exceed the {MAX_TILES} split counters")
-    counters = _counters.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the split counters must exist before a CUDA graph is captured")
-        counters = _counters[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return counters
+def _sum_splits(partials: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    numel, block = out.numel(), 1024
+    _sum_splits_kernel[(triton.cdiv(numel, block),)](partials, out, numel, SPLITS=partials.shape[0],
+                                                     OUT_F32=out.dtype == torch.float32, BLOCK=block,
+                                                     EXACT_DOT=INTERPRETED, num_warps=4)
+    return out
 
 
 def _check_rows(m: int) -> None:
@@ -213,14 +187,12 @@ def fp8_decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -
         cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2)
     splits, k_per_split = split_count(cfg, n, k, 1, sm_count(a.device))
     w, s = values.view(torch.uint8), scales.view(torch.uint8)
-    tiles = triton.cdiv(n, cfg.block_w)
-    partials = torch.empty(splits, m, n, dtype=torch.float32, device=a.device) if splits > 1 else out
-    _fp8_decode_mm_kernel[(tiles, splits)](
-        a, w, s, out, partials, _split_counters(a.device, tiles), m, n, k, k_per_split, splits,
-        a.stride(0), w.stride(0), s.stride(0), m * n, n,
+    target = torch.empty(splits, m, n, dtype=torch.float32, device=a.device) if splits > 1 else out
+    _fp8_decode_mm_kernel[(triton.cdiv(n, cfg.block_w), splits)](
+        a, w, s, target, m, n, k, k_per_split, a.stride(0), w.stride(0), s.stride(0), m * n, n,
         BLOCK_T=block_t, BLOCK_W=cfg.block_w, BLOCK_K=cfg.block_k, PARTIAL=splits > 1, EXACT_DOT=INTERPRETED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out
+    return _sum_splits(target, out) if splits > 1 else out
 
 
 def decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None, fmt: WeightFormat,
@@ -245,13 +217,12 @@ def decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None
         w, s = values.view(torch.uint8), scales.view(torch.uint8)
         scale_rows_per_group = n // 32
     partial = splits > 1
-    tiles = triton.cdiv(n, cfg.block_w)
-    partials = torch.empty(splits, m, groups * n, dtype=torch.float32, device=a.device) if partial else out
-    _decode_mm_kernel[(tiles, splits, groups)](
-        a, w, s, out, partials, _split_counters(a.device, tiles * groups), m, n, k, k_per_split, splits,
+    target = torch.empty(splits, m, groups * n, dtype=torch.float32, device=a.device) if partial else out
+    _decode_mm_kernel[(triton.cdiv(n, cfg.block_w), splits, groups)](
+        a, w, s, target, m, n, k, k_per_split,
         a.stride(0), k, w.stride(0), n * w.stride(0), s.stride(0), scale_rows_per_group * s.stride(0),
         m * groups * n if partial else 0, groups * n,
         B_FMT=FORMAT_CODES[fmt], BLOCK_T=block_t, BLOCK_W=cfg.block_w,
         BLOCK_K=cfg.block_k, PARTIAL=partial, OUT_F32=out_dtype == torch.float32, EXACT_DOT=INTERPRETED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out
+    return _sum_splits(target, out) if partial else out
