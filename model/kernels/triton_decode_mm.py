@@ -26,7 +26,10 @@ Both take the products transposed and split K:
 * split-K: K is cut into ``splits`` equal ranges so that there are a few programs per SM even for
   the narrow matrices (``wkv`` has 4 tiles of 128 rows). Each program writes its fp32 partial sums;
   ``_sum_splits_kernel`` adds them in split order (deterministic: the same inputs give the same
-  bits on every run) and rounds once. One split writes the output directly.
+  bits on every run) and rounds once. One split writes the output directly. (Letting the last split
+  of each tile to arrive add the partials, with a counter per tile, saved that launch but was
+  slower on one H200 at 8 and 64 tokens: one program per tile then reads every split's partial in
+  turn; ``docs/benchmarks.md``.)
 
 Not batch invariant: the split, and the summation order it implies, depend on the shape, and the
 prefill form (``bf16_mm``) sums K in one pass. ``TritonKernels(batch_invariant=True)`` therefore
