@@ -313,3 +313,20 @@ def served(request, tokenizer):
         kwargs["model_name"] = request.module.MODEL
     with serve_fake(tokenizer, **kwargs) as (server, engine):
         yield server, engine
+
+
+@pytest.fixture
+def push_pull():
+    """A connected ZeroMQ PUSH -> PULL pair over tcp on localhost: what a worker sends results on,
+    and the engine core's end."""
+    import zmq
+
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push = context.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    yield push, pull
+    push.close(0)
+    pull.close(0)
+    context.term()

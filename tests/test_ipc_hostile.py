@@ -83,27 +83,18 @@ def test_garbage_on_every_socket_leaves_the_server_serving(tiny_checkpoint):
     asyncio.run(main())
 
 
-def test_worker_step_loop_drops_garbage():
-    context = zmq.Context()
-    pull = context.socket(zmq.PULL)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    push = context.socket(zmq.PUSH)
-    push.connect(f"tcp://127.0.0.1:{port}")
+def test_worker_step_loop_drops_garbage(push_pull):
+    push, pull = push_pull
     drops = DropLog("test")
     pipeline = StepPipeline(None, 0, push)  # no runner: none of the garbage may reach one
-    try:
-        for frames in garbage():
-            assert handle_message(frames, pipeline, drops)
-        assert drops.dropped == len(garbage())
-        # and a real ping still gets its pong
-        assert handle_message([MessageType.CONTROL.value, encode(WorkerControl("ping", nonce=5))], pipeline, drops)
-        assert pull.poll(2000)
-        kind, payload = pull.recv_multipart()
-        assert kind == MessageType.CONTROL.value and msgspec.msgpack.decode(payload, type=WorkerControl).nonce == 5
-    finally:
-        push.close(0)
-        pull.close(0)
-        context.term()
+    for frames in garbage():
+        assert handle_message(frames, pipeline, drops)
+    assert drops.dropped == len(garbage())
+    # and a real ping still gets its pong
+    assert handle_message([MessageType.CONTROL.value, encode(WorkerControl("ping", nonce=5))], pipeline, drops)
+    assert pull.poll(2000)
+    kind, payload = pull.recv_multipart()
+    assert kind == MessageType.CONTROL.value and msgspec.msgpack.decode(payload, type=WorkerControl).nonce == 5
 
 
 def test_socket_dir_and_sockets_are_private(tmp_path):

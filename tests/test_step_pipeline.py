@@ -6,8 +6,6 @@ real worker processes in tests/test_offline_dp.py."""
 from __future__ import annotations
 
 import msgspec
-import pytest
-import zmq
 
 from engine_core.protocol import MessageType, RankBatch, StepPlan, StepResult
 from workers.step_pipeline import StepPipeline
@@ -32,19 +30,6 @@ class RecordingRunner:
         return StepResult(pending, 0, [])
 
 
-@pytest.fixture
-def sockets():
-    context = zmq.Context()
-    pull = context.socket(zmq.PULL)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    push = context.socket(zmq.PUSH)
-    push.connect(f"tcp://127.0.0.1:{port}")
-    yield push, pull
-    push.close(0)
-    pull.close(0)
-    context.term()
-
-
 def _sent(pull) -> list[tuple[int, bool]]:
     """(step id, failed) of every result sent so far."""
     out = []
@@ -60,8 +45,8 @@ def _plan(step_id: int) -> StepPlan:
     return StepPlan(step_id, False, [RankBatch([])])
 
 
-def test_results_leave_one_step_behind_the_launches(sockets):
-    push, pull = sockets
+def test_results_leave_one_step_behind_the_launches(push_pull):
+    push, pull = push_pull
     runner = RecordingRunner()
     pipeline = StepPipeline(runner, 0, push)
     pipeline.run(_plan(1))
@@ -75,8 +60,8 @@ def test_results_leave_one_step_behind_the_launches(sockets):
     assert _sent(pull) == [] and runner.calls[-1] == ("collect", 2)
 
 
-def test_a_failed_launch_reports_after_its_predecessor(sockets):
-    push, pull = sockets
+def test_a_failed_launch_reports_after_its_predecessor(push_pull):
+    push, pull = push_pull
     pipeline = StepPipeline(RecordingRunner(fail={4}), 0, push)
     pipeline.run(_plan(3))
     pipeline.run(_plan(4))

@@ -53,14 +53,11 @@ class PendingStep:
     constrained: bool = False  # some sampled row follows a grammar: its matcher takes the token at collect
     copied: torch.cuda.Event | None = None  # on CUDA: recorded after the results' copies to the host
 
-    def copy_to_host(self) -> "PendingStep":
-        """Queue the results' copies into pinned host memory behind the step's work (no wait) and
-        mark their end with ``copied``. A blocking read at collect would instead wait for everything
-        queued on the stream by then, the next step included."""
-        if self.sampled is None and not self.prompt_logprobs:
-            return self
-        device = (self.sampled if self.sampled is not None else next(iter(self.prompt_logprobs.values()))[0]).device
-        if device.type != "cuda":
+    def copy_to_host(self, device: torch.device) -> "PendingStep":
+        """On CUDA, queue the results' copies into pinned host memory behind the step's work (no
+        wait) and mark their end with ``copied``. A blocking read at collect would instead wait for
+        everything queued on the stream by then, the next step included."""
+        if device.type != "cuda" or (self.sampled is None and not self.prompt_logprobs):
             return self
 
         def host(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -190,7 +187,7 @@ class ModelRunner:
             prompt[i] = (result.token_logprobs, result.top_ids, result.top_logprobs)
             offset += n
         return PendingStep(step_id, seqs, sampled, chosen_lp, top_ids, top_lp, sample_index, prompt,
-                           constrained).copy_to_host()
+                           constrained).copy_to_host(self.device)
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Wait for a step's results on the host (the only wait of a step) and turn them into its
