@@ -86,7 +86,7 @@ def test_garbage_on_every_socket_leaves_the_server_serving(tiny_checkpoint):
 def test_worker_step_loop_drops_garbage(push_pull):
     push, pull = push_pull
     drops = DropLog("test")
-    pipeline = StepPipeline(None, 0, push)  # no runner: none of the garbage may reach one
+    pipeline = StepPipeline(None, 0, push, one_ahead=True)  # no runner: none of the garbage may reach one
     for frames in garbage():
         assert handle_message(frames, pipeline, drops)
     assert drops.dropped == len(garbage())

@@ -76,8 +76,9 @@ def test_dp2_gives_the_tokens_of_one_rank_and_del_stops_its_workers(tiny_checkpo
 
 
 def test_dp2_without_zos_gives_the_tokens_of_one_rank(tiny_checkpoint, one_rank):
-    """Without ZOS no plan follows the one the engine waits for: every step's results come out of
-    the workers on the engine's ``collect`` message (workers/step_pipeline.py)."""
+    """Without ZOS the engine core broadcasts ``collect`` for every step it waits for
+    (workers/step_pipeline.py); on CPU workers, which send each step's results at once, it finds
+    nothing held and must change nothing."""
     greedy, seeded = one_rank
     with LLM(str(tiny_checkpoint), dp_size=2, zos=False, **ENGINE) as llm:
         assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == greedy

@@ -48,7 +48,7 @@ def _plan(step_id: int) -> StepPlan:
 def test_results_leave_one_step_behind_the_launches(push_pull):
     push, pull = push_pull
     runner = RecordingRunner()
-    pipeline = StepPipeline(runner, 0, push)
+    pipeline = StepPipeline(runner, 0, push, one_ahead=True)
     pipeline.run(_plan(1))
     assert _sent(pull) == [] and runner.calls == [("execute", 1)]
     pipeline.run(_plan(2))
@@ -62,9 +62,23 @@ def test_results_leave_one_step_behind_the_launches(push_pull):
 
 def test_a_failed_launch_reports_after_its_predecessor(push_pull):
     push, pull = push_pull
-    pipeline = StepPipeline(RecordingRunner(fail={4}), 0, push)
+    pipeline = StepPipeline(RecordingRunner(fail={4}), 0, push, one_ahead=True)
     pipeline.run(_plan(3))
     pipeline.run(_plan(4))
     assert _sent(pull) == [(3, False), (4, True)]
     pipeline.flush()  # the failed step is not held
+    assert _sent(pull) == []
+
+
+def test_without_asynchronous_launches_results_leave_at_once(push_pull):
+    """A CPU worker's launch computes the step: its results are sent before the next plan is read."""
+    push, pull = push_pull
+    runner = RecordingRunner()
+    pipeline = StepPipeline(runner, 0, push, one_ahead=False)
+    pipeline.run(_plan(1))
+    assert _sent(pull) == [(1, False)]
+    pipeline.run(_plan(2))
+    assert _sent(pull) == [(2, False)]
+    assert runner.calls == [("execute", 1), ("collect", 1), ("execute", 2), ("collect", 2)]
+    pipeline.flush()  # the engine's "collect": nothing held
     assert _sent(pull) == []

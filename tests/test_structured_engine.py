@@ -222,5 +222,5 @@ def test_workers_compile_a_grammar_when_its_request_is_admitted():
 
     spec = StructuredOutput("regex", "[ab]+")
     frames = [MessageType.CONTROL.value, encode(WorkerControl("grammar", grammar=spec))]
-    assert handle_message(frames, StepPipeline(Runner(), 0, None), DropLog("test"))
+    assert handle_message(frames, StepPipeline(Runner(), 0, None, one_ahead=False), DropLog("test"))
     assert submitted == [spec]

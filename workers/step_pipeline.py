@@ -8,6 +8,10 @@ update the scheduler and plan step N+2. Waiting first would leave the device idl
 When the engine core waits for the newest step it sent (nothing more to plan yet, or ``--no-zos``),
 no next plan will come to push it out: it sends ``collect`` and the worker sends what it holds.
 Results always leave in step order, a failed launch's error after its predecessor's results.
+
+Only where launching is asynchronous (CUDA). On a CPU worker ``execute`` computes the whole step
+before it returns, so holding its results back would delay them by a step and leave the worker
+idle while the engine core plans: there each step's results are sent as soon as it is launched.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ log = logging.getLogger(__name__)
 class StepPipeline:
     """Holds at most one launched step whose results have not been sent."""
 
-    def __init__(self, runner, rank: int, results):
-        """``runner``: the worker's ``ModelRunner``; ``results``: the socket results are sent on."""
-        self.runner, self.rank, self.results = runner, rank, results
+    def __init__(self, runner, rank: int, results, one_ahead: bool):
+        """``runner``: the worker's ``ModelRunner``; ``results``: the socket results are sent on;
+        ``one_ahead``: hold a step's results until the next step is launched (asynchronous launches)."""
+        self.runner, self.rank, self.results, self.one_ahead = runner, rank, results, one_ahead
         self._pending = None  # (step id, the runner's PendingStep)
 
     def run(self, plan: StepPlan) -> None:
@@ -42,6 +47,8 @@ class StepPipeline:
             return
         self._send_results(previous)
         self._pending = (plan.step_id, launched)
+        if not self.one_ahead:
+            self.flush()
 
     def flush(self) -> None:
         """Send the results of the step held, if any (the engine core is waiting for them)."""

@@ -83,7 +83,7 @@ def worker_main(config_json: bytes, endpoints_json: bytes, rank: int, dist_init_
     poller = zmq.Poller()
     poller.register(steps, zmq.POLLIN)
     drops = DropLog(f"worker {rank} steps")
-    pipeline = StepPipeline(runner, rank, results)
+    pipeline = StepPipeline(runner, rank, results, one_ahead=runner.device.type == "cuda")
     trimmer = MallocTrimmer()  # gives the heap's free pages back once the worker is idle
     try:
         while True:
