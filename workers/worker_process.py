@@ -14,6 +14,7 @@ on the step socket is dropped (``ipc.parse``), never fatal; so is a plan without
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -80,6 +81,11 @@ def worker_main(config_json: bytes, endpoints_json: bytes, rank: int, dist_init_
         "ready", rank, num_blocks=cap.num_blocks, num_slots=cap.num_slots, max_model_len=cap.max_model_len,
         vocab_size=runner.cfg.vocab_size, eos_token_id=runner.cfg.eos_token_id,
         device_name=describe_device(runner.device, config), kv_cache_dtype=runner.cache.storage_summary()))
+    # Everything alive now (the model, its caches, the compiled kernels) lives as long as the worker:
+    # take it out of the collector's full passes. Measured on a CPU worker of the tiny model: ~172 k
+    # objects, a full pass 73-80 ms (a step stalls that long), under 1 ms once they are frozen.
+    gc.collect()
+    gc.freeze()
     poller = zmq.Poller()
     poller.register(steps, zmq.POLLIN)
     drops = DropLog(f"worker {rank} steps")
