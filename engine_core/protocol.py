@@ -284,8 +284,9 @@ class StepResult(msgspec.Struct, array_like=True):
 
 class WorkerControl(msgspec.Struct, array_like=True):
     # "shutdown" | "ping" | "pong" | "ready" | "grammar" | "collect" (send the results of the step
-    # held: no later plan is coming to push them out; workers.step_pipeline); multi-node: "joined" (a worker's links are
-    # open; its host name in device_name) and "died" (a headless node reports a dead worker; why in error)
+    # held: no later plan is coming to push them out; workers.step_pipeline); multi-node: "joined"
+    # (a worker's links are open; its host name in device_name) and "died" (a headless node reports
+    # a dead worker; why in error)
     command: str
     rank: int = -1
     nonce: int = 0

@@ -1,13 +1,14 @@
 """A worker launches step N+1 before it sends step N's results (workers/step_pipeline.py): the
 order of launches, collects and sent results, with a runner that records its calls and real
-ZeroMQ sockets; the engine-level behaviour (``collect`` messages, ``--no-zos``) is covered with
-real worker processes in tests/test_offline_dp.py."""
+ZeroMQ sockets, and when the engine core sends ``collect``; ``--no-zos`` with real worker processes
+in tests/test_offline_dp.py."""
 
 from __future__ import annotations
 
 import msgspec
 
-from engine_core.protocol import MessageType, RankBatch, StepPlan, StepResult
+from engine_core.mp_executor import MultiprocExecutor
+from engine_core.protocol import MessageType, RankBatch, StepPlan, StepResult, WorkerControl
 from workers.step_pipeline import StepPipeline
 
 
@@ -82,3 +83,29 @@ def test_without_asynchronous_launches_results_leave_at_once(push_pull):
     assert runner.calls == [("execute", 1), ("collect", 1), ("execute", 2), ("collect", 2)]
     pipeline.flush()  # the engine's "collect": nothing held
     assert _sent(pull) == []
+
+
+def test_the_engine_core_sends_collect_only_when_no_later_plan_was_sent(push_pull):
+    """In ZOS order (plan 2 sent, then step 1 collected) plan 2 pushes step 1's results out of the
+    workers; step 2, the newest, needs a ``collect``."""
+    push, pull = push_pull
+    executor = MultiprocExecutor.__new__(MultiprocExecutor)  # its step link only: no worker is started
+    executor.steps, executor.num_ranks = push, 1
+    executor._submitted, executor._newest_step, executor._buffered = {}, None, {}
+    for step_id in (1, 2):
+        executor.submit(_plan(step_id))
+        executor._buffered[(step_id, 0)] = StepResult(step_id, 0, [])  # as if already answered
+
+    def sent() -> list[tuple[bytes, object]]:
+        out = []
+        while pull.poll(200):
+            kind, payload = pull.recv_multipart()
+            body = msgspec.msgpack.decode(payload, type=StepPlan if kind == MessageType.STEP.value else WorkerControl)
+            out.append((kind, body.step_id if kind == MessageType.STEP.value else (body.command, body.nonce)))
+        return out
+
+    assert sent() == [(MessageType.STEP.value, 1), (MessageType.STEP.value, 2)]
+    executor.collect(1)
+    assert sent() == []
+    executor.collect(2)
+    assert sent() == [(MessageType.CONTROL.value, ("collect", 2))]

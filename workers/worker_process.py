@@ -1,6 +1,6 @@
 """A worker process: one per device (or CPU rank). Receives every step plan, runs its DP rank's
-part on its model shard and caches, and returns its sampled tokens (one step behind the plans it
-has launched: workers.step_pipeline).
+part on its model shard and caches, and returns its sampled tokens (on a GPU, one step behind the
+plans it has launched: workers.step_pipeline).
 
 Startup: report ``joined`` (with the host name) as soon as the links to the engine core are open,
 set up torch.distributed when there are several ranks (experts are sharded over them), load the
