@@ -40,7 +40,7 @@ def run_tune(bench, ms: list[int]) -> None:
     moe_cfgs = [tables.TileConfig(bm, bn, warps, st) for bm in (16, 32) for bn in (64, 128) for warps in (4, 8)
                 for st in (2, 3, 4)]
     # prefill: tens of tokens per expert; wider token tiles for the tensor cores
-    moe_prefill_cfgs = [tables.TileConfig(bm, bn, warps, st) for bm in (64, 128) for bn in (128, 256)
+    moe_prefill_cfgs = [tables.TileConfig(bm, bn, warps, st) for bm in (64, 128) for bn in (64, 128, 256)
                         for warps in (4, 8) for st in (2, 3)]
     if bench.args.tiny:
         decode_cfgs, moe_cfgs, fp8_cfgs = decode_cfgs[1::5], moe_cfgs[1::5], fp8_cfgs[1::5]  # the logic, not the numbers
