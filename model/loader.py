@@ -241,7 +241,7 @@ class _Builder:
                                    cfg.hc_eps, cfg.rms_norm_eps, self.kernels)
 
         return Block(layer, cfg, attention, moe, self.t(p + "attn_norm.weight"), self.t(p + "ffn_norm.weight"),
-                     hc("attn"), hc("ffn"), engram, self.bi, self.kernels).to(device)
+                     hc("attn"), hc("ffn"), engram, self.kernels).to(device)
 
 
 def load_model(path: str | Path, options: ModelOptions | None = None, device: str | torch.device = "cpu",

@@ -20,6 +20,13 @@ if TYPE_CHECKING:
     from .kernels import KernelBackend
 
 
+def mixes(stream: torch.Tensor, fn: torch.Tensor, norm_eps: float, batch_invariant: bool) -> torch.Tensor:
+    """stream [T, hc, D] -> raw mixes [T, (2+hc)*hc]; normalised after the projection, per token."""
+    x = stream.flatten(-2).float()
+    rsqrt = torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
+    return dense_linear(x, fn, batch_invariant) * rsqrt
+
+
 def split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
                    iters: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mixes [T, (2+hc)*hc] -> pre [T, hc], post [T, hc], comb [T, hc, hc] (comb[j, k]: copy j -> k)."""
@@ -51,14 +58,13 @@ class HyperConnection:
         return self
 
     def mixes(self, stream: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
-        """stream [T, hc, D] -> raw mixes [T, (2+hc)*hc]; normalised after the projection, per token."""
-        x = stream.flatten(-2).float()
-        rsqrt = torch.rsqrt(x.square().mean(-1, keepdim=True) + self.norm_eps)
-        return dense_linear(x, self.fn, batch_invariant) * rsqrt
+        """The reference's raw mixes (``parity`` compares them with the golden set's)."""
+        return mixes(stream, self.fn, self.norm_eps, batch_invariant)
 
-    def coefficients(self, stream: torch.Tensor, batch_invariant: bool):
-        return self.kernels.split_sinkhorn(self.mixes(stream, batch_invariant), self.scale, self.base,
-                                           self.hc, self.iters, self.hc_eps)
+    def coefficients(self, stream: torch.Tensor):
+        """pre, post, comb of ``stream [T, hc, D]`` (the kernel backend's ``hc_coefficients``)."""
+        return self.kernels.hc_coefficients(stream, self.fn, self.scale, self.base, self.hc, self.iters,
+                                            self.hc_eps, self.norm_eps)
 
 
 def collapse(stream: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

@@ -206,7 +206,7 @@ def _check_layer_modules(model: V41Model, tensors) -> list[ComponentResult]:
         hc = model.blocks[layer].attn_hc
         x = tensors[key][0].to(dev)
         mixes = hc.mixes(x, bi)
-        pre, post, comb = hc.coefficients(x, bi)
+        pre, post, comb = hc.coefficients(x)
         name = prefix[len("comp."):]
         for part, value in (("mixes", mixes), ("pre", pre), ("post", post), ("comb", comb)):
             results.append(_fp32(f"{name}.{part}", value, tensors[f"{prefix}.{part}"][0]))

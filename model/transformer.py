@@ -48,14 +48,13 @@ class ModelOptions:
 class Block:
     def __init__(self, layer_id: int, cfg: V41Config, attention: Attention, moe: MoE,
                  attn_norm: torch.Tensor, ffn_norm: torch.Tensor, attn_hc: HyperConnection,
-                 ffn_hc: HyperConnection, engram: Engram | None, batch_invariant: bool, kernels: KernelBackend):
+                 ffn_hc: HyperConnection, engram: Engram | None, kernels: KernelBackend):
         self.layer_id, self.cfg = layer_id, cfg
         self.kernels = kernels
         self.attention, self.moe = attention, moe
         self.attn_norm, self.ffn_norm = attn_norm, ffn_norm
         self.attn_hc, self.ffn_hc = attn_hc, ffn_hc
         self.engram = engram
-        self.batch_invariant = batch_invariant
 
     def to(self, device) -> "Block":
         self.attention.to(device)
@@ -73,12 +72,12 @@ class Block:
         FFN). Returns the new stream and the mix the next block's attention collapses with."""
         eps = self.cfg.rms_norm_eps
         residual = stream
-        attn_pre, attn_post, attn_comb = self.attn_hc.coefficients(stream, self.batch_invariant)
+        attn_pre, attn_post, attn_comb = self.attn_hc.coefficients(stream)
         x = self.kernels.rms_norm(self.kernels.hc_collapse(stream, pre_mix), self.attn_norm, eps)
         stream = self.kernels.hc_expand(self.attention(x, batch, cache, state), residual, attn_post, attn_comb)
 
         residual = stream
-        ffn_pre, ffn_post, ffn_comb = self.ffn_hc.coefficients(stream, self.batch_invariant)
+        ffn_pre, ffn_post, ffn_comb = self.ffn_hc.coefficients(stream)
         x = self.kernels.rms_norm(self.kernels.hc_collapse(stream, attn_pre), self.ffn_norm, eps)  # the delayed pre-mix
         stream = self.kernels.hc_expand(self.moe(x), residual, ffn_post, ffn_comb)
         return stream, ffn_pre

@@ -6,11 +6,11 @@ default on CPU, what ``parity`` uses) and ``triton`` (``triton_backend.py``: GPU
 read the storage formats directly, default on CUDA). The head is in the interface for its size
 (the largest single weight); the sparse attention for its launches (~120 torch kernels per layer)
 and the indexer's scores for their intermediate (a per-query copy of the keys). A few elementwise
-chains are in it for their launch counts: each is many tiny torch kernels (mHC's Sinkhorn split
-~135 per call, an FP4 round trip ~28, mHC's collapse and expand 4 and 7, RMSNorm and RoPE 6, the
+chains are in it for their launch counts: each is many tiny torch kernels (mHC's coefficients ~7
+and a Sinkhorn split ~135 per call, an FP4 round trip ~28, mHC's collapse and expand 4 and 7, RMSNorm and RoPE 6, the
 MoE's SwiGLU 7 and expert sum ~12, Engram's n-gram hashing ~45), which a decode step would otherwise
 spend its time launching.
-Other plain bf16/fp32 products (mHC mixes, the router, compressor and indexer weights) are not: both
+Other plain bf16/fp32 products (the router, compressor and indexer weights) are not: both
 backends run them through torch (``model/gemm.py``).
 """
 
@@ -83,11 +83,13 @@ class KernelBackend(ABC):
         zeros, and padding a list with holes changes no bit of its row."""
 
     @abstractmethod
-    def split_sinkhorn(self, mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """mHC coefficients: raw mixes ``[T, (2 + hc) * hc]`` fp32 -> pre ``[T, hc]``, post ``[T, hc]``,
-        comb ``[T, hc, hc]`` fp32; ``model.mhc.split_sinkhorn``'s arithmetic (sigmoids, a softmax, then
-        ``iters`` column/row normalisations, each token alone)."""
+    def hc_coefficients(self, stream: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                        hc: int, iters: int, hc_eps: float,
+                        norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """mHC coefficients of the stream ``[T, hc, D]`` bf16 -> pre ``[T, hc]``, post ``[T, hc]``, comb
+        ``[T, hc, hc]`` fp32: the raw mixes ``model.mhc.mixes`` (``fn [(2 + hc) * hc, hc * D]`` fp32 times
+        each token's flattened stream, times its rsqrt mean square), then ``model.mhc.split_sinkhorn``'s
+        arithmetic (sigmoids, a softmax, then ``iters`` column/row normalisations, each token alone)."""
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -17,7 +17,7 @@ from ..gemm import block_scaled_linear, dense_linear
 from ..layers import rms_norm
 from ..quant import fp4_qdq, fp8_qdq
 from ..rope import RotaryTable
-from ..mhc import collapse, expand, split_sinkhorn
+from ..mhc import collapse, expand, mixes, split_sinkhorn
 from ..moe import combine_routed
 from ..sparse_attention import sparse_attention_padded
 from .backend import KernelBackend
@@ -79,9 +79,10 @@ class ReferenceKernels(KernelBackend):
             return self.quantized_linear(x, stack[e])
         return dense_linear(x, stack[e], self.batch_invariant)
 
-    def split_sinkhorn(self, mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return split_sinkhorn(mixes, scale, base, hc, iters, eps)
+    def hc_coefficients(self, stream: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                        hc: int, iters: int, hc_eps: float,
+                        norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return split_sinkhorn(mixes(stream, fn, norm_eps, self.batch_invariant), scale, base, hc, iters, hc_eps)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)

@@ -21,12 +21,12 @@ from .triton_moe import fused_experts
 from .triton_moe_sum import moe_sum, swiglu
 from .triton_scaled_mm import act_quant, act_quant_bf16, scaled_mm
 from .triton_fp4_round_trip import fp4_round_trip
+from .triton_hc_coefficients import hc_coefficients
 from .triton_index_scores import index_scores
 from .triton_mhc import collapse, expand
 from .triton_ngram_hash import ngram_hash_ids
 from .triton_rms_norm import rms_norm
 from .triton_rope import rotate_
-from .triton_sinkhorn import split_sinkhorn
 from .triton_sparse_attention import sparse_attention
 from .weights import ExpertWeights, QuantizedWeight
 
@@ -35,8 +35,8 @@ class TritonKernels(KernelBackend):
     """``batch_invariant``: every product in its prefill form, whose rows never depend on M (see
     ``triton_bf16_mm``); otherwise products of at most ``decode_mm.MAX_TOKENS`` rows take the faster
     split-K decode form (``triton_decode_mm``). The sparse attention is one launch per layer
-    (``triton_sparse_attention``), where its torch twin takes ~120 small kernels; mHC's Sinkhorn split
-    one launch (``triton_sinkhorn``) instead of ~135, and so are RMSNorm, RoPE, the FP8/FP4 round
+    (``triton_sparse_attention``), where its torch twin takes ~120 small kernels; mHC's coefficients
+    two launches (``triton_hc_coefficients``) instead of ~140, and so are RMSNorm, RoPE, the FP8/FP4 round
     trips, mHC's collapse and expand, the shared expert's SwiGLU and the MoE's expert sum; the
     indexer's scores read each sequence's keys in place (``triton_index_scores``) instead of a
     per-query copy; Engram's n-gram hashing is one launch (``triton_ngram_hash``) instead of ~45."""
@@ -96,9 +96,10 @@ class TritonKernels(KernelBackend):
                          sink: torch.Tensor, scale: float) -> torch.Tensor:
         return sparse_attention(q, pool, index, valid, sink, scale)
 
-    def split_sinkhorn(self, mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return split_sinkhorn(mixes, scale, base, hc, iters, eps)
+    def hc_coefficients(self, stream: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                        hc: int, iters: int, hc_eps: float,
+                        norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return hc_coefficients(stream, fn, scale, base, hc, iters, hc_eps, norm_eps)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)

@@ -19,6 +19,11 @@ a one-token decode step, twice per layer. With one value per thread an iteration
 instructions (SASS count). The block is the same at every T, so a token's bits never depend on the
 batch; a long prefill fills the GPU with one-warp programs (up to 32 per SM).
 
+``split_sinkhorn_of_partials`` takes, instead of the mixes, the partial sums that
+``triton_hc_coefficients`` writes per slice of the stream: the kernel adds a token's slices in
+increasing order and multiplies by ``rsqrt(sum of squares / K + norm_eps)`` (a correctly rounded
+square root and division) before the split, so the mixes never go through memory.
+
 Layouts: mixes ``[T, (2 + hc) * hc]`` fp32 (last dim contiguous), scale ``[3]`` and base ``[(2 +
 hc) * hc]`` fp32; out pre ``[T, hc]``, post ``[T, hc]``, comb ``[T, hc, hc]`` fp32, contiguous.
 ``hc`` must be a power of two (V4.1: 4).
@@ -48,21 +53,39 @@ def _sigmoid(x, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _raw_mixes(row, offsets, mask, rsqrt, slices, FROM_PARTIALS: tl.constexpr, COLS: tl.constexpr):
+    """A token's raw mixes at ``offsets``: read as they are, or its slices' partial sums added in
+    increasing order, times the token's ``rsqrt``."""
+    total = tl.load(row + offsets, mask=mask, other=0.0)
+    if FROM_PARTIALS:
+        for s in range(1, slices):
+            total += tl.load(row + s * COLS + offsets, mask=mask, other=0.0)
+        total = total * rsqrt
+    return total
+
+
+@triton.jit
 def _sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, stride_mix, iters, eps,
-                     HC: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRETED: tl.constexpr):
+                     slices, K, norm_eps, HC: tl.constexpr, BLOCK_T: tl.constexpr, FROM_PARTIALS: tl.constexpr,
+                     COLS: tl.constexpr, INTERPRETED: tl.constexpr):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
     j = tl.arange(0, HC)
     row = mix_ptr + offs_t.to(tl.int64) * stride_mix
+    rsqrt = tl.full((BLOCK_T,), 1.0, tl.float32)
+    if FROM_PARTIALS:  # the slices' sums of squares, then rsqrt(mean + eps) as the twin computes it
+        squares = _raw_mixes(row, tl.full((BLOCK_T,), (2 + HC) * HC, tl.int32), t_mask, rsqrt, slices, FROM_PARTIALS, COLS)
+        rsqrt = tl.div_rn(tl.full((BLOCK_T,), 1.0, tl.float32), tl.sqrt_rn(tl.div_rn(squares, K * 1.0) + norm_eps))
 
     vector_mask = t_mask[:, None]
-    pre = tl.load(row[:, None] + j[None, :], mask=vector_mask, other=0.0) * tl.load(scale_ptr)
-    pre = _sigmoid(pre + tl.load(base_ptr + j)[None, :], INTERPRETED) + eps
-    post = tl.load(row[:, None] + HC + j[None, :], mask=vector_mask, other=0.0) * tl.load(scale_ptr + 1)
-    post = 2.0 * _sigmoid(post + tl.load(base_ptr + HC + j)[None, :], INTERPRETED)
+    pre = _raw_mixes(row[:, None], j[None, :], vector_mask, rsqrt[:, None], slices, FROM_PARTIALS, COLS)
+    pre = _sigmoid(pre * tl.load(scale_ptr) + tl.load(base_ptr + j)[None, :], INTERPRETED) + eps
+    post = _raw_mixes(row[:, None], HC + j[None, :], vector_mask, rsqrt[:, None], slices, FROM_PARTIALS, COLS)
+    post = 2.0 * _sigmoid(post * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + j)[None, :], INTERPRETED)
 
     square = j[:, None] * HC + j[None, :]  # [HC, HC]: comb[j, k] at 2 * HC + j * HC + k
-    comb = tl.load(row[:, None, None] + 2 * HC + square[None, :, :], mask=t_mask[:, None, None], other=0.0)
+    comb = _raw_mixes(row[:, None, None], 2 * HC + square[None, :, :], t_mask[:, None, None], rsqrt[:, None, None],
+                      slices, FROM_PARTIALS, COLS)
     comb = comb * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + square)[None, :, :]
     comb = exp_f32(comb - tl.max(comb, axis=2)[:, :, None], INTERPRETED)  # softmax over k ...
     comb = tl.div_rn(comb, tl.sum(comb, axis=2)[:, :, None]) + eps  # ... plus eps
@@ -77,13 +100,9 @@ def _sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, 
     tl.store(comb_ptr + out[:, None, None] * (HC * HC) + square[None, :, :], comb, mask=t_mask[:, None, None])
 
 
-def split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
-                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """mixes ``[T, (2 + hc) * hc]`` -> pre ``[T, hc]``, post ``[T, hc]``, comb ``[T, hc, hc]`` (module docstring)."""
+def _launch(mixes: torch.Tensor, slices: int, k: int, norm_eps: float, scale: torch.Tensor, base: torch.Tensor,
+            hc: int, iters: int, eps: float, from_partials: bool, cols: int):
     t = mixes.shape[0]
-    mixes = mixes.float()
-    if mixes.stride(-1) != 1:
-        mixes = mixes.contiguous()
     pre = torch.empty(t, hc, dtype=torch.float32, device=mixes.device)
     post = torch.empty_like(pre)
     comb = torch.empty(t, hc, hc, dtype=torch.float32, device=mixes.device)
@@ -91,5 +110,25 @@ def split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
         return pre, post, comb
     _sinkhorn_kernel[(triton.cdiv(t, BLOCK_T),)](
         mixes, scale.float().contiguous(), base.float().contiguous(), pre, post, comb, t, mixes.stride(0),
-        iters, float(eps), HC=hc, BLOCK_T=BLOCK_T, INTERPRETED=INTERPRETED, num_warps=NUM_WARPS, enable_fp_fusion=False)
+        iters, float(eps), slices, k, float(norm_eps), HC=hc, BLOCK_T=BLOCK_T, FROM_PARTIALS=from_partials,
+        COLS=cols, INTERPRETED=INTERPRETED, num_warps=NUM_WARPS, enable_fp_fusion=False)
     return pre, post, comb
+
+
+def split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mixes ``[T, (2 + hc) * hc]`` -> pre ``[T, hc]``, post ``[T, hc]``, comb ``[T, hc, hc]`` (module docstring)."""
+    mixes = mixes.float()
+    if mixes.stride(-1) != 1:
+        mixes = mixes.contiguous()
+    return _launch(mixes, 1, 1, 0.0, scale, base, hc, iters, eps, False, 0)
+
+
+def split_sinkhorn_of_partials(partials: torch.Tensor, k: int, norm_eps: float, scale: torch.Tensor,
+                               base: torch.Tensor, hc: int, iters: int,
+                               eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``split_sinkhorn`` of the mixes whose partial sums ``triton_hc_coefficients`` wrote: ``partials [T,
+    slices, cols]`` fp32 (contiguous), ``k`` the stream's columns (the mean's divisor)."""
+    t, slices, cols = partials.shape
+    assert partials.is_contiguous(), "the kernel reads each token's slices at a stride of cols"
+    return _launch(partials, slices, k, norm_eps, scale, base, hc, iters, eps, True, cols)
