@@ -48,13 +48,13 @@ def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:
     return (positions + 1) // ratio
 
 
-def top_entries(scores: torch.Tensor, k_per_row: torch.Tensor, k_max: int) -> Selection:
-    """Per row, the ``k_per_row`` highest scores (ties: lower entry first), sorted by entry."""
+def top_entries(scores: torch.Tensor, k_per_row: torch.Tensor, k_max: int) -> torch.Tensor:
+    """Per row, the ``k_per_row`` highest scores (ties: lower entry first), as entry ids in increasing
+    order in the first columns of ``[S, k_max]`` (the others 0)."""
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k_max]
     unused = torch.arange(k_max, device=scores.device) >= k_per_row.unsqueeze(-1)
     big = torch.iinfo(torch.long).max
-    entries = torch.sort(order.masked_fill(unused, big), dim=-1).values.masked_fill(unused, 0)
-    return Selection(entries, k_per_row)
+    return torch.sort(order.masked_fill(unused, big), dim=-1).values.masked_fill(unused, 0)
 
 
 def candidate_mask(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block_size: int) -> torch.Tensor:
@@ -129,7 +129,8 @@ class Indexer:
         elif self.uses_candidates and candidates is not None:
             scores = scores.masked_fill(~candidates, -torch.inf)
         k_per_row = visible.clamp(max=self.topk)
-        return top_entries(scores, k_per_row, min(self.topk, num_entries)), published
+        entries = self.kernels.top_entries(scores, k_per_row, min(self.topk, num_entries))
+        return Selection(entries, k_per_row), published
 
     def _scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """[S, E] bf16: sum over heads of weight * relu(q . k), with the reference's bf16 roundings;

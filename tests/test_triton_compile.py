@@ -45,9 +45,10 @@ def main() -> int:
     from triton.compiler import ASTSource
 
     from model.cache_formats import COMPRESSED_KV, INDEX_KEYS, WINDOW_KV
-    from model.kernels import (tile_configs, triton_align_pairs, triton_bf16_mm, triton_ngram_hash, triton_cache_codec, triton_decode_mm,
-                               triton_fp4_round_trip, triton_hc_coefficients, triton_index_scores, triton_mhc, triton_moe, triton_moe_sum,
-                               triton_rms_norm, triton_rope, triton_scaled_mm, triton_sinkhorn, triton_sparse_attention)
+    from model.kernels import (tile_configs, triton_align_pairs, triton_bf16_mm, triton_cache_codec,
+                               triton_decode_mm, triton_fp4_round_trip, triton_hc_coefficients, triton_index_scores,
+                               triton_mhc, triton_moe, triton_moe_sum, triton_ngram_hash, triton_rms_norm, triton_rope,
+                               triton_scaled_mm, triton_sinkhorn, triton_sparse_attention, triton_top_entries)
 
     hopper = GPUTarget("cuda", 90, 32)
 
@@ -168,6 +169,11 @@ def main() -> int:
               {"HC": 4, "BLOCK_T": triton_sinkhorn.BLOCK_T, "FROM_PARTIALS": from_partials,
                "COLS": triton_hc_coefficients.PARTIAL_COLS, "INTERPRETED": False},
               options={"num_warps": triton_sinkhorn.NUM_WARPS, "enable_fp_fusion": False}, wgmma=False)
+    for width in (300, 2075, 32768):
+        block, warps = triton_top_entries.block_size(width)
+        check(f"top_entries width={width}", triton_top_entries._top_entries_kernel,
+              {"scores_ptr": "*i16", "k_ptr": "*i64", "out_ptr": "*i64", **scalars("E K_MAX stride_s stride_o")},
+              {"BLOCK": block}, options={"num_warps": warps}, wgmma=False, spill_free=True)
     for t in (1, 8192):
         block_t, warps = triton_hc_coefficients.tokens_per_program(t)
         check(f"hc mix partials tokens/program={block_t}", triton_hc_coefficients._mix_partials_kernel,

@@ -135,6 +135,12 @@ class KernelBackend(ABC):
         (the dot product, the weighted value, the sum over heads)."""
 
     @abstractmethod
+    def top_entries(self, scores: torch.Tensor, k_per_row: torch.Tensor, k_max: int) -> torch.Tensor:
+        """The indexer's top-k: per row of ``scores [S, E]``, the ``k_per_row [S]`` highest (ties: the
+        lower entry) as entry ids in increasing order in the first columns of ``[S, k_max]`` int64, the
+        others 0 (``model.indexer.top_entries``: exact, every backend selects the same entries)."""
+
+    @abstractmethod
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         """The shared expert's clamped SwiGLU: bf16 ``gate``, ``up`` ``[N, I]`` -> bf16 ``silu(gate) * up``
         in fp32, ``up`` clamped to ``[-limit, limit]`` and ``gate`` from above (when ``limit > 0``)."""

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ..engram import ngram_hash_ids
 from ..gemm import block_scaled_linear, dense_linear
+from ..indexer import top_entries
 from ..layers import rms_norm
 from ..quant import fp4_qdq, fp8_qdq
 from ..rope import RotaryTable
@@ -108,6 +109,9 @@ class ReferenceKernels(KernelBackend):
                      seq: torch.Tensor) -> torch.Tensor:
         per_head = torch.bmm(q, keys[seq].transpose(1, 2))  # every query its own product, as the reference
         return (per_head.relu_() * weights.unsqueeze(-1)).sum(dim=1)
+
+    def top_entries(self, scores: torch.Tensor, k_per_row: torch.Tensor, k_max: int) -> torch.Tensor:
+        return top_entries(scores, k_per_row, k_max)
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         gate, up = gate.float(), up.float()

@@ -28,6 +28,7 @@ from .triton_ngram_hash import ngram_hash_ids
 from .triton_rms_norm import rms_norm
 from .triton_rope import rotate_
 from .triton_sparse_attention import sparse_attention
+from .triton_top_entries import top_entries
 from .weights import ExpertWeights, QuantizedWeight
 
 
@@ -36,10 +37,11 @@ class TritonKernels(KernelBackend):
     ``triton_bf16_mm``); otherwise products of at most ``decode_mm.MAX_TOKENS`` rows take the faster
     split-K decode form (``triton_decode_mm``). The sparse attention is one launch per layer
     (``triton_sparse_attention``), where its torch twin takes ~120 small kernels; mHC's coefficients
-    two launches (``triton_hc_coefficients``) instead of ~140, and so are RMSNorm, RoPE, the FP8/FP4 round
-    trips, mHC's collapse and expand, the shared expert's SwiGLU and the MoE's expert sum; the
+    take two (``triton_hc_coefficients``) instead of ~140; RMSNorm, RoPE, the FP8/FP4 round trips,
+    mHC's collapse and expand, the shared expert's SwiGLU and the MoE's expert sum one each; the
     indexer's scores read each sequence's keys in place (``triton_index_scores``) instead of a
-    per-query copy; Engram's n-gram hashing is one launch (``triton_ngram_hash``) instead of ~45."""
+    per-query copy, and its top-k is a threshold search (``triton_top_entries``) instead of two sorts;
+    Engram's n-gram hashing is one launch (``triton_ngram_hash``) instead of ~45."""
 
     name = "triton"
 
@@ -124,6 +126,11 @@ class TritonKernels(KernelBackend):
     def index_scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                      seq: torch.Tensor) -> torch.Tensor:
         return index_scores(q, weights, keys, seq)
+
+    def top_entries(self, scores: torch.Tensor, k_per_row: torch.Tensor, k_max: int) -> torch.Tensor:
+        if scores.dtype != torch.bfloat16:  # the indexer's scores are bf16; anything else takes the sorts
+            return self._plain.top_entries(scores, k_per_row, k_max)
+        return top_entries(scores, k_per_row, k_max)
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         return swiglu(gate, up, limit)

@@ -74,7 +74,8 @@ def _sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, 
     row = mix_ptr + offs_t.to(tl.int64) * stride_mix
     rsqrt = tl.full((BLOCK_T,), 1.0, tl.float32)
     if FROM_PARTIALS:  # the slices' sums of squares, then rsqrt(mean + eps) as the twin computes it
-        squares = _raw_mixes(row, tl.full((BLOCK_T,), (2 + HC) * HC, tl.int32), t_mask, rsqrt, slices, FROM_PARTIALS, COLS)
+        squares_column = tl.full((BLOCK_T,), (2 + HC) * HC, tl.int32)
+        squares = _raw_mixes(row, squares_column, t_mask, rsqrt, slices, FROM_PARTIALS, COLS)
         rsqrt = tl.div_rn(tl.full((BLOCK_T,), 1.0, tl.float32), tl.sqrt_rn(tl.div_rn(squares, K * 1.0) + norm_eps))
 
     vector_mask = t_mask[:, None]
