@@ -80,9 +80,9 @@ def build_moe(cfg, layer: int, kernels_name: str, batch_invariant: bool, device:
     experts = ExpertWeights(*stacks, first_expert=0, swiglu_limit=cfg.swiglu_limit)
     shared = SharedExpert(*(Linear(weight(f"{f}shared_experts.{p}"), kernels, batch_invariant)
                             for p in ("w1", "w2", "w3")), swiglu_limit=cfg.swiglu_limit)
-    router = Router(reader.get(f + "gate.weight").float(), reader.get(f + "gate.bias").float(),
+    router = Router(reader.get(f + "gate.weight"), reader.get(f + "gate.bias").float(),
                     cfg.num_experts_per_token, cfg.scoring_func, cfg.norm_topk_prob, cfg.routed_scaling_factor,
-                    cfg.gate_temperature, batch_invariant)
+                    cfg.gate_temperature, kernels)
     return MoE(router, experts, shared, cfg.num_routed_experts, kernels).to(device)
 
 

@@ -66,8 +66,9 @@ class Compressor:
         if self.ratio == 1:
             return self.kernels.rms_norm(self.wkv(x), self.norm, self.eps), layout.seq, pos
         r = self.ratio
-        xf = x.float()
-        kv, score = self.wkv(xf), self.wgate(xf)  # fp32 projections
+        # fp32 projections, as the reference's fp32 copies give them
+        kv = self.kernels.fp32_linear(x, self.wkv.weight)
+        score = self.kernels.fp32_linear(x, self.wgate.weight)
         tail_kv, tail_score = cache.tail_kv[self.layer_id], cache.tail_score[self.layer_id]
         # a group closes at the token whose position is its last; its earlier members come from this
         # chunk or, if they came in an earlier forward, from the sequence's tail

@@ -204,11 +204,10 @@ class _Builder:
         compressor = indexer = None
         if role.owns_kv:
             ratio = role.compress_ratio
-            # ratio 1 is a plain bf16 projection; ratio > 1 pools in fp32 with fp32 weights
-            dtype = torch.float32 if ratio > 1 else None
+            # ratio 1 is a plain bf16 projection; ratio > 1 pools fp32 products (``fp32_linear``)
             compressor = Compressor(
-                layer, ratio, self.plain(a + "compressor.wkv", dtype),
-                self.plain(a + "compressor.wgate", dtype) if ratio > 1 else None,
+                layer, ratio, self.plain(a + "compressor.wkv"),
+                self.plain(a + "compressor.wgate") if ratio > 1 else None,
                 self.t(a + "compressor.norm.weight"), self.plain(a + "indexer.wk"),
                 self.t(a + "indexer.k_norm.weight"), cfg.rms_norm_eps, cfg.rope_head_dim, self.kernels)
         if role.runs_indexer:
@@ -222,9 +221,9 @@ class _Builder:
             wo_b=self.linear(a + "wo_b"), sink=self.t(a + "attn_sink").float())
         attention = Attention(cfg, role, weights, compressor, indexer, self.kernels, self.options.reference_layout)
         f = p + "ffn."
-        router = Router(self.t(f + "gate.weight").float(), self.t(f + "gate.bias").float(),
+        router = Router(self.t(f + "gate.weight"), self.t(f + "gate.bias").float(),
                         cfg.num_experts_per_token, cfg.scoring_func, cfg.norm_topk_prob,
-                        cfg.routed_scaling_factor, cfg.gate_temperature, self.bi)
+                        cfg.routed_scaling_factor, cfg.gate_temperature, self.kernels)
         moe = MoE(router, self.experts(layer, f + "experts", device), self.shared_expert(f + "shared_experts"),
                   cfg.num_routed_experts, self.kernels)
         engram = None

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .gemm import dense_linear
 from .kernels import ExpertWeights, KernelBackend
 from .layers import Linear
 
@@ -48,14 +47,14 @@ class SharedExpert:
 
 @dataclass
 class Router:
-    weight: torch.Tensor  # [experts, D] bf16
+    weight: torch.Tensor  # [experts, D] bf16 (as stored)
     bias: torch.Tensor  # [experts] fp32
     top_k: int
     score_func: str
     norm_topk_prob: bool
     route_scale: float
     temperature: float
-    batch_invariant: bool
+    kernels: KernelBackend
 
     def to(self, device) -> "Router":
         self.weight, self.bias = self.weight.to(device), self.bias.to(device)
@@ -63,7 +62,7 @@ class Router:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (weights [N, k] fp32, expert ids [N, k]) in descending biased-score order."""
-        scores = dense_linear(x.float(), self.weight.float(), self.batch_invariant) / self.temperature
+        scores = self.kernels.fp32_linear(x, self.weight) / self.temperature  # fp32, as the reference
         if self.score_func == "softmax":
             scores = scores.softmax(dim=-1)
         elif self.score_func == "sigmoid":

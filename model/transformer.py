@@ -122,7 +122,7 @@ class V41Model:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [R, vocab] of hidden rows [R, D] (the head's products are fp32's)."""
-        return self.kernels.logits(hidden, self.head)
+        return self.kernels.fp32_linear(hidden, self.head)
 
     # ------------------------------------------------------------------ index-key sources
     def _index_key_layers(self, batch: ForwardBatch) -> dict[int, list[int]]:

@@ -171,17 +171,24 @@ def test_tiny_model_with_triton_kernels_matches_reference(tiny_checkpoint):
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 
-def test_head_logits_match_reference():
+@pytest.mark.parametrize("rows,n", [(5, 100), (3, 4), (70, 24)])  # a head; a tiny router; the prefill form
+def test_fp32_linear_matches_reference(rows, n):
+    """The head's logits, the router's scores, the compressor's pooling projections: bf16 operands,
+    fp32 results; fp32 operands take the reference's product."""
     from model.kernels.triton_backend import TritonKernels
 
     gen = torch.Generator().manual_seed(7)
-    hidden = torch.randn(5, 192, generator=gen).bfloat16()
-    head = (torch.randn(100, 192, generator=gen) * 0.05).bfloat16()
-    ref = ReferenceKernels(batch_invariant=False).logits(hidden, head)
-    got = TritonKernels().logits(hidden.to(device()), head.to(device())).cpu()
+    hidden = torch.randn(rows, 192, generator=gen).bfloat16()
+    head = (torch.randn(n, 192, generator=gen) * 0.05).bfloat16()
+    reference = ReferenceKernels(batch_invariant=False)
+    ref = reference.fp32_linear(hidden, head)
+    got = TritonKernels().fp32_linear(hidden.to(device()), head.to(device())).cpu()
     assert got.dtype == torch.float32
     # fp32 sums of the same exact products in another order: a few fp32 ulps of the row's scale
     assert torch.allclose(got, ref, rtol=0, atol=float(ref.abs().max()) * 2.0 ** -18)
+    fp32_head = head.float() + 1e-3  # not bf16 values: no exact bf16 product exists
+    fallback = TritonKernels().fp32_linear(hidden.to(device()), fp32_head.to(device())).cpu()
+    assert torch.equal(fallback, reference.fp32_linear(hidden, fp32_head))
 
 
 @pytest.mark.parametrize("max_splits", [1, 64])  # one split (direct store) / several splits (partials)
@@ -214,8 +221,8 @@ def test_decode_form_matches_reference(max_splits, m, fp8_step, monkeypatch):
 
     head = (torch.randn(100, 192, generator=gen) * 0.05).bfloat16()
     hidden = torch.randn(m, 192, generator=gen).bfloat16()
-    ref = reference.logits(hidden, head)
-    got = kernels.logits(hidden.to(device()), head.to(device())).cpu()
+    ref = reference.fp32_linear(hidden, head)
+    got = kernels.fp32_linear(hidden.to(device()), head.to(device())).cpu()
     assert got.dtype == torch.float32
     assert torch.allclose(got, ref, rtol=0, atol=float(ref.abs().max()) * 2.0 ** -18)
 

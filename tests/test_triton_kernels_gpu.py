@@ -88,10 +88,10 @@ def test_head_logits_real_shape(kernels):
     gen = torch.Generator(device="cuda").manual_seed(13)
     head = (torch.randn(129280, D, device="cuda", generator=gen) * 0.02).bfloat16()
     hidden = torch.randn(7, D, device="cuda", generator=gen).bfloat16()
-    got, ref = triton_k.logits(hidden, head), reference.logits(hidden, head)
+    got, ref = triton_k.fp32_linear(hidden, head), reference.fp32_linear(hidden, head)
     assert torch.allclose(got, ref, rtol=0, atol=float(ref.abs().max()) * 2.0 ** -16)
-    assert torch.equal(triton_k.logits(hidden[:1], head), got[:1])
-    decoded = decode_k.logits(hidden, head)
+    assert torch.equal(triton_k.fp32_linear(hidden[:1], head), got[:1])
+    decoded = decode_k.fp32_linear(hidden, head)
     assert torch.allclose(decoded, ref, rtol=0, atol=float(ref.abs().max()) * 2.0 ** -16)
 
 

@@ -3,14 +3,14 @@
 The model's modules call these methods and never look at which backend they hold. Two backends
 exist: ``reference`` (``reference.py``: the arithmetic proven equal to DeepSeek's reference,
 default on CPU, what ``parity`` uses) and ``triton`` (``triton_backend.py``: GPU kernels that
-read the storage formats directly, default on CUDA). The head is in the interface for its size
-(the largest single weight); the sparse attention for its launches (~120 torch kernels per layer)
+read the storage formats directly, default on CUDA). The fp32 products of bf16 operands (the head, the router, the
+compressor's pooling) are in it for the head's size (the largest single weight); the sparse attention for its launches (~120 torch kernels per layer)
 and the indexer's scores for their intermediate (a per-query copy of the keys). A few elementwise
 chains are in it for their launch counts: each is many tiny torch kernels (mHC's coefficients ~7
 and a Sinkhorn split ~135 per call, an FP4 round trip ~28, mHC's collapse and expand 4 and 7, RMSNorm and RoPE 6, the
 MoE's SwiGLU 7 and expert sum ~12, Engram's n-gram hashing ~45), which a decode step would otherwise
 spend its time launching.
-Other plain bf16/fp32 products (the router, compressor and indexer weights) are not: both
+Other plain bf16 products (the compressor's and indexer's other weights) are not: both
 backends run them through torch (``model/gemm.py``).
 """
 
@@ -45,11 +45,13 @@ class KernelBackend(ABC):
         (not quantized) by the exactly dequantized bf16 weight (or a bf16 checkpoint's weight)."""
 
     @abstractmethod
-    def logits(self, hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-        """fp32 logits ``[R, V]`` of bf16 hidden rows ``[R, D]`` and the bf16 head ``[V, D]``.
+    def fp32_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """fp32 ``x @ weight.T`` of rows ``x [R, K]`` and a plain weight ``[N, K]`` -> ``[R, N]``: the
+        head's logits, the router's scores and the compressor's pooling projections.
 
-        The reference multiplies fp32 copies of both: bf16 x bf16 products are exact in fp32, so a
-        backend may multiply the bf16 values with fp32 accumulation instead of holding an fp32 head."""
+        The reference multiplies fp32 copies of both. With bf16 operands (the checkpoint's) the
+        products are exact in fp32, so a backend may multiply the bf16 values with fp32 accumulation
+        instead of holding fp32 copies; only the order of the sums may differ."""
 
     def prepare_experts(self, experts: ExpertWeights) -> ExpertWeights:
         """Called once per layer at load: a backend may re-lay out the experts' bytes for its kernels

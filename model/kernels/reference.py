@@ -45,8 +45,8 @@ class ReferenceKernels(KernelBackend):
                                 for g in range(groups)], dim=1)
         return torch.einsum("tgd,grd->tgr", x, w)
 
-    def logits(self, hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-        return dense_linear(hidden.float(), head.float(), self.batch_invariant)
+    def fp32_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return dense_linear(x.float(), weight.float(), self.batch_invariant)
 
     def expert_outputs(self, x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.Tensor,
                        pair_weight: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:

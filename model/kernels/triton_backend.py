@@ -13,6 +13,7 @@ from ..rope import RotaryTable
 from .backend import KernelBackend
 from .fp4_fragments import fragments_exact, fragments_fit
 from .reference import ReferenceKernels
+from .triton_bf16_mm import BLOCK_K as BF16_MM_BLOCK_K
 from .triton_bf16_mm import bf16_mm
 from .triton_decode_mm import MAX_TOKENS as DECODE_MAX_TOKENS
 from .triton_decode_mm import decode_mm, fp8_decode_mm
@@ -72,9 +73,11 @@ class TritonKernels(KernelBackend):
         out = mm(x.reshape(t, groups * k), weight.values, weight.scales, weight.fmt, groups=groups)
         return out.view(t, groups, -1)
 
-    def logits(self, hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-        mm = decode_mm if self._decode_form(hidden.shape[0]) else bf16_mm
-        return mm(hidden.contiguous(), head, None, WeightFormat.BF16, out_dtype=torch.float32)
+    def fp32_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.shape[-1] % BF16_MM_BLOCK_K:
+            return self._plain.fp32_linear(x, weight)  # fp32 operands: no exact bf16 product
+        mm = decode_mm if self._decode_form(x.shape[0]) else bf16_mm
+        return mm(x.contiguous(), weight, None, WeightFormat.BF16, out_dtype=torch.float32)
 
     def prepare_experts(self, experts: ExpertWeights) -> ExpertWeights:
         """FP4 experts go into the fragment layout (``fp4_fragments.py``: ~2 instructions per value in
