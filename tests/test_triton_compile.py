@@ -164,9 +164,9 @@ def main() -> int:
     pointers = ("mix_ptr", "scale_ptr", "base_ptr", "pre_ptr", "post_ptr", "comb_ptr")
     for from_partials in (False, True):
         check(f"split_sinkhorn hc=4 from_partials={from_partials}", triton_sinkhorn._sinkhorn_kernel,
-              {**{name: "*fp32" for name in pointers}, **scalars("T stride_mix iters slices K"), "eps": "fp32",
+              {**{name: "*fp32" for name in pointers}, **scalars("T stride_mix iters K"), "eps": "fp32",
                "norm_eps": "fp32"},
-              {"HC": 4, "BLOCK_T": triton_sinkhorn.BLOCK_T, "FROM_PARTIALS": from_partials,
+              {"HC": 4, "BLOCK_T": triton_sinkhorn.BLOCK_T, "FROM_PARTIALS": from_partials, "SLICES": 40,
                "COLS": triton_hc_coefficients.PARTIAL_COLS, "INTERPRETED": False},
               options={"num_warps": triton_sinkhorn.NUM_WARPS, "enable_fp_fusion": False}, wgmma=False)
     for width in (300, 2075, 32768):
@@ -174,13 +174,11 @@ def main() -> int:
         check(f"top_entries width={width}", triton_top_entries._top_entries_kernel,
               {"scores_ptr": "*i16", "k_ptr": "*i64", "out_ptr": "*i64", **scalars("E K_MAX stride_s stride_o")},
               {"BLOCK": block}, options={"num_warps": warps}, wgmma=False, spill_free=True)
-    for t in (1, 8192):
-        block_t, warps = triton_hc_coefficients.tokens_per_program(t)
-        check(f"hc mix partials tokens/program={block_t}", triton_hc_coefficients._mix_partials_kernel,
-              {"x_ptr": "*bf16", "fn_ptr": "*fp32", "part_ptr": "*fp32", **scalars("T K stride_x stride_fn stride_pt")},
-              {"MIXES": 24, "COLS": triton_hc_coefficients.PARTIAL_COLS, "BLOCK_T": block_t,
-               "BLOCK_K": triton_hc_coefficients.BLOCK_K, "SPLIT_K": triton_hc_coefficients.SPLIT_K,
-               "INTERPRETED": False}, options={"num_warps": warps}, wgmma=False, spill_free=True)
+    check("hc mix partials", triton_hc_coefficients._mix_partials_kernel,
+          {"x_ptr": "*bf16", "fn_ptr": "*fp32", "part_ptr": "*fp32", **scalars("T K stride_x stride_fn stride_pt")},
+          {"MIXES": 24, "COLS": triton_hc_coefficients.PARTIAL_COLS, "BLOCK_T": triton_hc_coefficients.BLOCK_T,
+           "BLOCK_K": triton_hc_coefficients.BLOCK_K, "SPLIT_K": triton_hc_coefficients.SPLIT_K,
+           "INTERPRETED": False}, spill_free=True)
     for group, e4m3_scale, block_k in ((32, False, 128), (16, True, 512)):  # index keys/queries; compressed KV
         check(f"fp4_round_trip group={group}", triton_fp4_round_trip._fp4_round_trip_kernel,
               {"x_ptr": "*i16", "out_ptr": "*bf16", **scalars("R K stride_x stride_o")},

@@ -187,8 +187,8 @@ def test_fp32_linear_matches_reference(rows, n):
     # fp32 sums of the same exact products in another order: a few fp32 ulps of the row's scale
     assert torch.allclose(got, ref, rtol=0, atol=float(ref.abs().max()) * 2.0 ** -18)
     fp32_head = head.float() + 1e-3  # not bf16 values: no exact bf16 product exists
-    fallback = TritonKernels().fp32_linear(hidden.to(device()), fp32_head.to(device())).cpu()
-    assert torch.equal(fallback, reference.fp32_linear(hidden, fp32_head))
+    on = hidden.to(device()), fp32_head.to(device())
+    assert torch.equal(TritonKernels().fp32_linear(*on), reference.fp32_linear(*on))  # the same torch product
 
 
 @pytest.mark.parametrize("max_splits", [1, 64])  # one split (direct store) / several splits (partials)

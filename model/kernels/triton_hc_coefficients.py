@@ -7,8 +7,8 @@ norm_eps)`` (``fn [(2 + hc) * hc, K]`` fp32) and from them pre ``[hc]``, post ``
 ``[hc, hc]`` (``triton_sinkhorn``). Two launches:
 
 1. ``_mix_partials_kernel``: a program per (block of tokens, slice of ``SPLIT_K`` columns) multiplies
-   the slice of the tokens' rows (bf16 read, fp32 products) by the slice of ``fn`` and sums their
-   squares, and writes ``[(2 + hc) * hc + 1]`` partial sums per token and slice.
+   the slice of the tokens' rows (read in bf16) by the slice of ``fn`` and sums their squares, and
+   writes ``[(2 + hc) * hc + 1]`` partial sums per token and slice.
 2. ``triton_sinkhorn``'s kernel adds each token's slices in increasing order, applies the rsqrt and
    runs the split and the Sinkhorn iterations.
 
@@ -17,12 +17,15 @@ at an 8K prefill, written once and read three times), a square, a mean and an fp
 kernels and ~2.1 ms per call at 8K tokens, twice per layer, and 8 of a one-token step's ~160
 launches per layer. Here the stream is read once, in bf16.
 
-Arithmetic: fp32 throughout (the products ``x * fn`` by fused multiply-adds, ``tl.dot`` in IEEE
-mode, never TF32); the sums run in another order than torch's, so the mixes differ from the twin's
-by fp32 rounding (``tests/test_triton_hc_coefficients.py`` states the tolerance). The slices are
-fixed (``SPLIT_K``), and each token's sums depend on its own row only: no result depends on the
-batch. Under Triton's interpreter the products are summed by ``tl.sum`` instead of ``tl.dot``:
-numpy's matrix product adds in an order that depends on the number of rows.
+Arithmetic: the products are exact and summed in fp32, never TF32. ``fn`` is fp32 and the stream
+bf16, so each ``fn`` tile is split into three bf16 parts that add up to it exactly
+(``_split_bf16``), and three bf16 tensor-core products with fp32 accumulation give the fp32 sums of
+the exact products ``x * fn`` (an fp32 ``tl.dot`` in IEEE mode, on the CUDA cores, measured ~1.5 ms
+per call at 8K tokens on one H200: 7 TFLOP/s). The sums run in another order than torch's, so the
+mixes differ from the twin's by fp32 rounding (``tests/test_triton_hc_coefficients.py`` states the
+tolerance). The slices are fixed (``SPLIT_K``) and so is the token block (``BLOCK_T``, one
+instruction shape), and each token's sums depend on its own row only: no result depends on the
+batch. Under Triton's interpreter the products are summed by ``tl.sum`` instead of ``tl.dot``.
 
 Layouts: stream ``[T, hc, D]`` bf16 with ``[hc, D]`` contiguous per token; fn ``[(2 + hc) * hc, hc *
 D]`` fp32, rows contiguous; partials ``[T, slices, PARTIAL_COLS]`` fp32 (column ``(2 + hc) * hc``:
@@ -40,14 +43,18 @@ from .triton_common import INTERPRETED
 
 SPLIT_K = 512  # stream columns per program: V4.1-Flash's 20,480 make 40 slices, enough programs for one token
 BLOCK_K = 64  # columns per step
+BLOCK_T = 64  # tokens per program, at every T: one tensor-core instruction shape (the rows' sums never change)
 PARTIAL_COLS = 32  # the (2 + hc) * hc = 24 mixes of hc = 4, their sum of squares, padding
 
 
-def tokens_per_program(t: int) -> tuple[int, int]:
-    """(tokens per program, warps): 16 tokens (the smallest dot) while few, 64 in a prefill, where
-    ``fn``'s slice is read by fewer programs (8 warps: 4 spill registers). A token's sums are the same
-    in both (one fused multiply-add chain per output, in column order)."""
-    return (16, 4) if t <= 256 else (64, 8)
+@triton.jit
+def _split_bf16(w):
+    """fp32 ``w`` as three bf16 parts whose sum is exactly ``w`` (8 + 8 + 8 significand bits; each
+    remainder is exact in fp32), so three bf16 products of an exact bf16 ``x`` add up to ``x * w``."""
+    high = w.to(tl.bfloat16)
+    rest = w - high.to(tl.float32)
+    middle = rest.to(tl.bfloat16)
+    return high, middle, (rest - middle.to(tl.float32)).to(tl.bfloat16)
 
 
 @triton.jit
@@ -64,14 +71,20 @@ def _mix_partials_kernel(x_ptr, fn_ptr, part_ptr, T, K, stride_x, stride_fn, str
     for k0 in range(pid_s * SPLIT_K, pid_s * SPLIT_K + SPLIT_K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        x = tl.load(x_rows + offs_k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_rows + offs_k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(fn_ptr + mix[None, :] * stride_fn + offs_k[:, None], mask=(mix[None, :] < MIXES) & k_mask[:, None],
                     other=0.0)  # [BLOCK_K, COLS]: fn's slice, transposed
-        if INTERPRETED:  # numpy's matmul sums in an order that depends on the rows; this one does not
-            acc += tl.sum(x[:, :, None] * w[None, :, :], axis=1)
+        high, middle, low = _split_bf16(w)
+        xf = x.to(tl.float32)
+        if INTERPRETED:  # 16-bit dot operands are multiplied wrongly there; the same exact products in fp32
+            acc += tl.sum(xf[:, :, None] * high.to(tl.float32)[None, :, :], axis=1)
+            acc += tl.sum(xf[:, :, None] * middle.to(tl.float32)[None, :, :], axis=1)
+            acc += tl.sum(xf[:, :, None] * low.to(tl.float32)[None, :, :], axis=1)
         else:
-            acc = tl.dot(x, w, acc, input_precision="ieee")
-        squares += tl.sum(x * x, axis=1)
+            acc = tl.dot(x, high, acc)
+            acc = tl.dot(x, middle, acc)
+            acc = tl.dot(x, low, acc)
+        squares += tl.sum(xf * xf, axis=1)
     acc = tl.where(mix[None, :] == MIXES, squares[:, None], acc)
     out = part_ptr + rows.to(tl.int64)[:, None] * stride_pt + pid_s * COLS + mix[None, :]
     tl.store(out, acc, mask=row_mask[:, None])
@@ -89,10 +102,9 @@ def mix_partials(stream: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
     slices = triton.cdiv(k, SPLIT_K)
     partials = torch.empty(t, slices, PARTIAL_COLS, dtype=torch.float32, device=stream.device)
     if t:
-        block_t, warps = tokens_per_program(t)
-        _mix_partials_kernel[(triton.cdiv(t, block_t), slices)](
+        _mix_partials_kernel[(triton.cdiv(t, BLOCK_T), slices)](
             x, fn, partials, t, k, x.stride(0), fn.stride(0), partials.stride(0), MIXES=mixes, COLS=PARTIAL_COLS,
-            BLOCK_T=block_t, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, INTERPRETED=INTERPRETED, num_warps=warps)
+            BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, INTERPRETED=INTERPRETED, num_warps=4)
     return partials
 
 

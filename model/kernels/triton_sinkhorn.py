@@ -53,12 +53,12 @@ def _sigmoid(x, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _raw_mixes(row, offsets, mask, rsqrt, slices, FROM_PARTIALS: tl.constexpr, COLS: tl.constexpr):
+def _raw_mixes(row, offsets, mask, rsqrt, FROM_PARTIALS: tl.constexpr, SLICES: tl.constexpr, COLS: tl.constexpr):
     """A token's raw mixes at ``offsets``: read as they are, or its slices' partial sums added in
-    increasing order, times the token's ``rsqrt``."""
+    increasing order (unrolled, so that every load is in flight at once), times the token's ``rsqrt``."""
     total = tl.load(row + offsets, mask=mask, other=0.0)
     if FROM_PARTIALS:
-        for s in range(1, slices):
+        for s in tl.static_range(1, SLICES):
             total += tl.load(row + s * COLS + offsets, mask=mask, other=0.0)
         total = total * rsqrt
     return total
@@ -66,8 +66,8 @@ def _raw_mixes(row, offsets, mask, rsqrt, slices, FROM_PARTIALS: tl.constexpr, C
 
 @triton.jit
 def _sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, stride_mix, iters, eps,
-                     slices, K, norm_eps, HC: tl.constexpr, BLOCK_T: tl.constexpr, FROM_PARTIALS: tl.constexpr,
-                     COLS: tl.constexpr, INTERPRETED: tl.constexpr):
+                     K, norm_eps, HC: tl.constexpr, BLOCK_T: tl.constexpr, FROM_PARTIALS: tl.constexpr,
+                     SLICES: tl.constexpr, COLS: tl.constexpr, INTERPRETED: tl.constexpr):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
     j = tl.arange(0, HC)
@@ -75,18 +75,18 @@ def _sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, 
     rsqrt = tl.full((BLOCK_T,), 1.0, tl.float32)
     if FROM_PARTIALS:  # the slices' sums of squares, then rsqrt(mean + eps) as the twin computes it
         squares_column = tl.full((BLOCK_T,), (2 + HC) * HC, tl.int32)
-        squares = _raw_mixes(row, squares_column, t_mask, rsqrt, slices, FROM_PARTIALS, COLS)
+        squares = _raw_mixes(row, squares_column, t_mask, rsqrt, FROM_PARTIALS, SLICES, COLS)
         rsqrt = tl.div_rn(tl.full((BLOCK_T,), 1.0, tl.float32), tl.sqrt_rn(tl.div_rn(squares, K * 1.0) + norm_eps))
 
     vector_mask = t_mask[:, None]
-    pre = _raw_mixes(row[:, None], j[None, :], vector_mask, rsqrt[:, None], slices, FROM_PARTIALS, COLS)
+    pre = _raw_mixes(row[:, None], j[None, :], vector_mask, rsqrt[:, None], FROM_PARTIALS, SLICES, COLS)
     pre = _sigmoid(pre * tl.load(scale_ptr) + tl.load(base_ptr + j)[None, :], INTERPRETED) + eps
-    post = _raw_mixes(row[:, None], HC + j[None, :], vector_mask, rsqrt[:, None], slices, FROM_PARTIALS, COLS)
+    post = _raw_mixes(row[:, None], HC + j[None, :], vector_mask, rsqrt[:, None], FROM_PARTIALS, SLICES, COLS)
     post = 2.0 * _sigmoid(post * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + j)[None, :], INTERPRETED)
 
     square = j[:, None] * HC + j[None, :]  # [HC, HC]: comb[j, k] at 2 * HC + j * HC + k
     comb = _raw_mixes(row[:, None, None], 2 * HC + square[None, :, :], t_mask[:, None, None], rsqrt[:, None, None],
-                      slices, FROM_PARTIALS, COLS)
+                      FROM_PARTIALS, SLICES, COLS)
     comb = comb * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + square)[None, :, :]
     comb = exp_f32(comb - tl.max(comb, axis=2)[:, :, None], INTERPRETED)  # softmax over k ...
     comb = tl.div_rn(comb, tl.sum(comb, axis=2)[:, :, None]) + eps  # ... plus eps
@@ -111,8 +111,8 @@ def _launch(mixes: torch.Tensor, slices: int, k: int, norm_eps: float, scale: to
         return pre, post, comb
     _sinkhorn_kernel[(triton.cdiv(t, BLOCK_T),)](
         mixes, scale.float().contiguous(), base.float().contiguous(), pre, post, comb, t, mixes.stride(0),
-        iters, float(eps), slices, k, float(norm_eps), HC=hc, BLOCK_T=BLOCK_T, FROM_PARTIALS=from_partials,
-        COLS=cols, INTERPRETED=INTERPRETED, num_warps=NUM_WARPS, enable_fp_fusion=False)
+        iters, float(eps), k, float(norm_eps), HC=hc, BLOCK_T=BLOCK_T, FROM_PARTIALS=from_partials,
+        SLICES=slices, COLS=cols, INTERPRETED=INTERPRETED, num_warps=NUM_WARPS, enable_fp_fusion=False)
     return pre, post, comb
 
 
