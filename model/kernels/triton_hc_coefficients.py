@@ -48,13 +48,21 @@ PARTIAL_COLS = 32  # the (2 + hc) * hc = 24 mixes of hc = 4, their sum of square
 
 
 @triton.jit
+def _top_8_bits(v):
+    """``v`` with its significand cut to its top 8 bits: an fp32 value that bf16 holds exactly."""
+    return (v.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _split_bf16(w):
-    """fp32 ``w`` as three bf16 parts whose sum is exactly ``w`` (8 + 8 + 8 significand bits; each
-    remainder is exact in fp32), so three bf16 products of an exact bf16 ``x`` add up to ``x * w``."""
-    high = w.to(tl.bfloat16)
-    rest = w - high.to(tl.float32)
-    middle = rest.to(tl.bfloat16)
-    return high, middle, (rest - middle.to(tl.float32)).to(tl.bfloat16)
+    """fp32 ``w`` as three bf16 parts whose sum is exactly ``w``: its significand's top 8 bits, the next
+    8 and the last 8 (each remainder is exact in fp32), so three bf16 products of an exact bf16 ``x``
+    add up to ``x * w``. The cuts are made on the bits: the compiler folds a round trip through bf16
+    (``w.to(bf16).to(fp32)``) back into ``w``, which measured as the rest being 0 on the GPU."""
+    high = _top_8_bits(w)
+    rest = w - high
+    middle = _top_8_bits(rest)
+    return high.to(tl.bfloat16), middle.to(tl.bfloat16), (rest - middle).to(tl.bfloat16)
 
 
 @triton.jit
