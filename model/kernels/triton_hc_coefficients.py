@@ -19,16 +19,16 @@ launches per layer. Here the stream is read once, in bf16.
 
 Arithmetic: the products are exact and summed in fp32, never TF32. ``fn`` is fp32 and the stream
 bf16, so each ``fn`` tile is split into three bf16 parts that add up to it exactly
-(``_split_bf16``), and three bf16 tensor-core products with fp32 accumulation give the fp32 sums of
-the exact products ``x * fn`` (an fp32 ``tl.dot`` in IEEE mode, on the CUDA cores, measured ~1.5 ms
-per call at 8K tokens on one H200: 7 TFLOP/s). Each step's products are summed on the tensor cores
-and the step's sum is then added to the total by an fp32 addition: accumulating all 20,480 columns
-on the tensor cores (whose additions do not round to nearest) failed the twin's tolerance and the
-golden set's statistical check on the H200. The sums run in another order than torch's, so the
-mixes differ from the twin's by fp32 rounding (``tests/test_triton_hc_coefficients.py`` states the
-tolerance). The slices are fixed (``SPLIT_K``) and so is the token block (``BLOCK_T``, one
-instruction shape), and each token's sums depend on its own row only: no result depends on the
-batch. Under Triton's interpreter the products are summed by ``tl.sum`` instead of ``tl.dot``.
+(``_split_bf16``), and three bf16 tensor-core products give the exact products ``x * fn``. (An fp32
+``tl.dot`` in IEEE mode runs on the CUDA cores instead: it measured ~1.5 ms per call at 8K tokens on
+one H200, 7 TFLOP/s.) Each step's products are summed on the tensor cores and the step's sum is
+added to the total by an fp32 addition: accumulating all 20,480 columns on the tensor cores (whose
+additions are not IEEE fp32 additions) failed the twin's tolerance and the golden set's statistical
+check on the H200. The sums run in another order than torch's, so the mixes differ from the twin's
+by fp32 rounding (``tests/test_triton_hc_coefficients.py`` states the tolerance). The slices are
+fixed (``SPLIT_K``) and so is the token block (``BLOCK_T``, one instruction shape), and each token's
+sums depend on its own row only: no result depends on the batch. Under Triton's interpreter the
+products are summed by ``tl.sum`` instead of ``tl.dot``.
 
 Layouts: stream ``[T, hc, D]`` bf16 with ``[hc, D]`` contiguous per token; fn ``[(2 + hc) * hc, hc *
 D]`` fp32, rows contiguous; partials ``[T, slices, PARTIAL_COLS]`` fp32 (column ``(2 + hc) * hc``:
