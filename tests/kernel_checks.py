@@ -24,3 +24,14 @@ def one_bf16_ulp_mismatch(got: torch.Tensor, ref: torch.Tensor, min_bit_equal: f
         return f"{worst:.3g} bf16 ulps apart"
     equal = (got == ref).float().mean().item()
     return None if equal >= min_bit_equal else f"only {equal:.2%} bit-equal"
+
+
+def coefficients_too_far(got, ref, relative: float) -> str | None:
+    """Why mHC's coefficients ``got`` (pre, post, comb) are not within ``relative`` of ``ref`` element
+    by element; None if they are."""
+    for name, g, r in zip(("pre", "post", "comb"), got, ref):
+        assert g.shape == r.shape and g.dtype == torch.float32
+        worst = ((g - r).abs() / (r.abs() * relative)).max().item()
+        if worst > 1.0:
+            return f"{name}: {worst:.3g} times the tolerance"
+    return None
