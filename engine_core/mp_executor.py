@@ -4,7 +4,8 @@ Step plans are broadcast on a PUB socket (every worker receives every plan and r
 part; see benchmarks/broadcast_bench.py for why PUB rather than a shared-memory ring at our
 message sizes); each worker answers with one ``StepResult`` on a PUSH socket. A GPU worker sends
 step N's results after it has launched step N+1 (workers/step_pipeline.py); when the engine waits
-for the newest step it sent, it broadcasts ``collect`` instead. Startup is a handshake: each worker reports ``joined`` once its links are open, then ``ready`` with its cache
+for the newest step it sent, it broadcasts ``collect`` instead. Startup is a handshake: each worker
+reports ``joined`` once its links are open, then ``ready`` with its cache
 geometry (or the error that stopped it), then a ping over the broadcast socket proves every
 subscription is live before the first plan. A local worker process that dies is noticed while
 waiting for results, and reported with its exit code.

@@ -161,14 +161,13 @@ def main() -> int:
           {"LAYERS": 2, "NGRAM": 3, "HEADS": 8, "LAYERS_P": 2, "HEADS_P": 8, "BLOCK_T": triton_ngram_hash.BLOCK_T},
           wgmma=False)
 
-    pointers = ("mix_ptr", "scale_ptr", "base_ptr", "pre_ptr", "post_ptr", "comb_ptr")
-    for from_partials in (False, True):
-        check(f"split_sinkhorn hc=4 from_partials={from_partials}", triton_sinkhorn._sinkhorn_kernel,
-              {**{name: "*fp32" for name in pointers}, **scalars("T stride_mix iters K"), "eps": "fp32",
-               "norm_eps": "fp32"},
-              {"HC": 4, "BLOCK_T": triton_sinkhorn.BLOCK_T, "FROM_PARTIALS": from_partials, "SLICES": 40,
-               "COLS": triton_hc_coefficients.PARTIAL_COLS, "INTERPRETED": False},
-              options={"num_warps": triton_sinkhorn.NUM_WARPS, "enable_fp_fusion": False}, wgmma=False)
+    pointers = ("part_ptr", "scale_ptr", "base_ptr", "pre_ptr", "post_ptr", "comb_ptr")
+    check("split_sinkhorn hc=4", triton_sinkhorn._sinkhorn_kernel,
+          {**{name: "*fp32" for name in pointers}, **scalars("T stride_pt iters K"), "eps": "fp32",
+           "norm_eps": "fp32"},
+          {"HC": 4, "BLOCK_T": triton_sinkhorn.BLOCK_T, "SLICES": 40, "COLS": triton_hc_coefficients.PARTIAL_COLS,
+           "INTERPRETED": False},
+          options={"num_warps": triton_sinkhorn.NUM_WARPS, "enable_fp_fusion": False}, wgmma=False)
     for width in (300, 2075, 32768):
         block, warps = triton_top_entries.block_size(width)
         check(f"top_entries width={width}", triton_top_entries._top_entries_kernel,

@@ -12,8 +12,8 @@ twin's split of the correctly rounded mixes (float64 products, rounded once), no
 fp32 mixes: a sigmoid or a softmax turns a logit's absolute error into a relative error of the
 output, so even tiny outputs carry it, and at V4.1-Flash's width (20,480 products per mix) the twin's
 fp32 mixes themselves move the coefficients by up to ``2**-16`` relative at 4,096 tokens (measured
-on the CPU). The check allows ``2**-14``; at the tests' small width the kernel measured at most ~18
-fp32 ulps (``2**-19``) in the interpreter. A missing rsqrt, a mean over one copy instead of all of
+on the CPU). The check allows ``2**-14``; at the tests' small width the kernel measured at most ~15
+fp32 ulps (``2**-19``) from it in the interpreter. A missing rsqrt, a mean over one copy instead of all of
 them or a dropped slice of the stream fail it (``test_the_check_rejects_a_wrong_arithmetic``).
 """
 

@@ -24,22 +24,37 @@ from model.mhc import split_sinkhorn as twin  # noqa: E402
 from tests.kernel_checks import coefficients_too_far, device  # noqa: E402
 
 HC, ITERS, EPS = 4, 20, 1e-6
+MIXES = (2 + HC) * HC
 RELATIVE = 2.0 ** -17
 
 
 def random_inputs(t: int, seed: int, on: str = "cpu"):
     gen = torch.Generator().manual_seed(seed)
-    mixes = torch.randn(t, (2 + HC) * HC, generator=gen) * 3
+    mixes = torch.randn(t, MIXES, generator=gen) * 3
     scale = torch.rand(3, generator=gen) + 0.5
-    base = torch.randn((2 + HC) * HC, generator=gen)
+    base = torch.randn(MIXES, generator=gen)
     return mixes.to(on), scale.to(on), base.to(on)
 
 
-def kernel(mixes, scale, base):
+def as_one_slice(mixes: torch.Tensor) -> torch.Tensor:
+    """The kernel's input for raw ``mixes``: one slice whose sum of squares is 1 (with ``k = 1`` and
+    ``norm_eps = 0`` the kernel's rsqrt is then exactly 1)."""
+    from model.kernels.triton_hc_coefficients import PARTIAL_COLS
+
+    partials = torch.zeros(mixes.shape[0], 1, PARTIAL_COLS, dtype=torch.float32, device=mixes.device)
+    partials[:, 0, :MIXES] = mixes
+    partials[:, 0, MIXES] = 1.0
+    return partials
+
+
+def kernel_on(mixes, scale, base):
     from model.kernels.triton_sinkhorn import split_sinkhorn
 
-    out = split_sinkhorn(mixes.to(device()), scale.to(device()), base.to(device()), HC, ITERS, EPS)
-    return tuple(x.cpu() for x in out)
+    return split_sinkhorn(as_one_slice(mixes), 1, 0.0, scale, base, HC, ITERS, EPS)
+
+
+def kernel(mixes, scale, base):
+    return tuple(x.cpu() for x in kernel_on(mixes.to(device()), scale.to(device()), base.to(device())))
 
 
 def too_far(got, ref) -> str | None:
@@ -60,10 +75,17 @@ def test_rows_do_not_depend_on_the_batch():
         assert all(torch.equal(a, b[chosen]) for a, b in zip(alone, batched)), chosen
 
 
-def test_strided_mixes_and_empty_batch():
+def test_slices_add_up_and_the_rsqrt_applies():
+    """Mixes 2m given as two slices of m, with a mean square of 4 (rsqrt 1/2): exactly m again, so the
+    same bits as m in one slice."""
+    from model.kernels.triton_sinkhorn import split_sinkhorn
+
     mixes, scale, base = random_inputs(9, seed=4)
-    wide = torch.cat([mixes, torch.randn(9, 5)], dim=1)[:, :mixes.shape[1]]  # rows not contiguous
-    assert all(torch.equal(a, b) for a, b in zip(kernel(wide, scale, base), kernel(mixes, scale, base)))
+    partials = torch.cat([as_one_slice(mixes)] * 2, dim=1)
+    partials[:, :, MIXES] = 2.0 * 8  # the squares of k = 8 columns, over two slices: mean 4
+    partials, scale_d, base_d = (x.to(device()) for x in (partials, scale, base))
+    got = tuple(x.cpu() for x in split_sinkhorn(partials, 8, 0.0, scale_d, base_d, HC, ITERS, EPS))
+    assert all(torch.equal(a, b) for a, b in zip(got, kernel(mixes, scale, base)))
     assert [x.shape for x in kernel(mixes[:0], scale, base)] == [(0, HC), (0, HC), (0, HC, HC)]
 
 
@@ -93,7 +115,5 @@ def test_the_check_rejects_a_wrong_arithmetic():
 def test_matches_the_twin_on_cuda(t):
     """Both on the GPU: the same ``expf`` and IEEE divisions, so only the order of the sums differs."""
     inputs = random_inputs(t, seed=t, on="cuda")
-    from model.kernels.triton_sinkhorn import split_sinkhorn
-
-    got = split_sinkhorn(*inputs, HC, ITERS, EPS)
+    got = kernel_on(*inputs)
     assert (failure := too_far(got, twin(*inputs, HC, ITERS, EPS))) is None, failure

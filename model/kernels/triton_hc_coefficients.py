@@ -123,4 +123,4 @@ def hc_coefficients(stream: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
                     iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """stream ``[T, hc, D]`` -> pre ``[T, hc]``, post ``[T, hc]``, comb ``[T, hc, hc]`` fp32 (module docstring)."""
     partials = mix_partials(stream, fn)
-    return triton_sinkhorn.split_sinkhorn_of_partials(partials, fn.shape[1], norm_eps, scale, base, hc, iters, hc_eps)
+    return triton_sinkhorn.split_sinkhorn(partials, fn.shape[1], norm_eps, scale, base, hc, iters, hc_eps)

@@ -1,8 +1,8 @@
 """Triton kernel of mHC's coefficient split with Sinkhorn iterations (twin: ``model.mhc.split_sinkhorn``).
 
-``split_sinkhorn(mixes, scale, base, hc, iters, eps)``: each token's raw mixes ``[(2 + hc) * hc]``
-fp32 become ``pre [hc]``, ``post [hc]`` and the doubly stochastic ``comb [hc, hc]``, with the twin's
-arithmetic in its order: ``pre = sigmoid(m * scale[0] + base) + eps``, ``post = 2 * sigmoid(m *
+``split_sinkhorn(partials, k, norm_eps, scale, base, hc, iters, eps)``: each token's raw mixes
+``[(2 + hc) * hc]`` fp32 become ``pre [hc]``, ``post [hc]`` and the doubly stochastic ``comb [hc,
+hc]``, with the twin's arithmetic in its order: ``pre = sigmoid(m * scale[0] + base) + eps``, ``post = 2 * sigmoid(m *
 scale[1] + base)``, ``comb`` a softmax over its last axis plus eps, then ``iters`` alternations of
 column and row normalisation (the column first, each denominator plus eps).
 
@@ -19,12 +19,14 @@ a one-token decode step, twice per layer. With one value per thread an iteration
 instructions (SASS count). The block is the same at every T, so a token's bits never depend on the
 batch; a long prefill fills the GPU with one-warp programs (up to 32 per SM).
 
-``split_sinkhorn_of_partials`` takes, instead of the mixes, the partial sums that
-``triton_hc_coefficients`` writes per slice of the stream: the kernel adds a token's slices in
-increasing order and multiplies by ``rsqrt(sum of squares / K + norm_eps)`` (a correctly rounded
-square root and division) before the split, so the mixes never go through memory.
+The mixes never go through memory: the kernel reads the partial sums that ``triton_hc_coefficients``
+writes per slice of the stream, adds a token's slices in increasing order and multiplies by
+``rsqrt(sum of squares / k + norm_eps)`` (a correctly rounded square root and division) before the
+split. (Its tests pass the twin's mixes as one slice whose sum of squares is 1, with ``k = 1`` and
+``norm_eps = 0``: the rsqrt is then exactly 1.)
 
-Layouts: mixes ``[T, (2 + hc) * hc]`` fp32 (last dim contiguous), scale ``[3]`` and base ``[(2 +
+Layouts: partials ``[T, slices, cols]`` fp32, contiguous (column ``(2 + hc) * hc``: the sum of
+squares), scale ``[3]`` and base ``[(2 +
 hc) * hc]`` fp32; out pre ``[T, hc]``, post ``[T, hc]``, comb ``[T, hc, hc]`` fp32, contiguous.
 ``hc`` must be a power of two (V4.1: 4).
 
@@ -53,40 +55,37 @@ def _sigmoid(x, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _raw_mixes(row, offsets, mask, rsqrt, FROM_PARTIALS: tl.constexpr, SLICES: tl.constexpr, COLS: tl.constexpr):
-    """A token's raw mixes at ``offsets``: read as they are, or its slices' partial sums added in
-    increasing order (unrolled, so that every load is in flight at once), times the token's ``rsqrt``."""
+def _slice_sum(row, offsets, mask, SLICES: tl.constexpr, COLS: tl.constexpr):
+    """A token's partial sums at ``offsets`` added over its slices in increasing order (unrolled, so
+    that every load is in flight at once)."""
     total = tl.load(row + offsets, mask=mask, other=0.0)
-    if FROM_PARTIALS:
-        for s in tl.static_range(1, SLICES):
-            total += tl.load(row + s * COLS + offsets, mask=mask, other=0.0)
-        total = total * rsqrt
+    for s in tl.static_range(1, SLICES):
+        total += tl.load(row + s * COLS + offsets, mask=mask, other=0.0)
     return total
 
 
 @triton.jit
-def _sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, stride_mix, iters, eps,
-                     K, norm_eps, HC: tl.constexpr, BLOCK_T: tl.constexpr, FROM_PARTIALS: tl.constexpr,
-                     SLICES: tl.constexpr, COLS: tl.constexpr, INTERPRETED: tl.constexpr):
+def _sinkhorn_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, stride_pt, iters, eps,
+                     K, norm_eps, HC: tl.constexpr, BLOCK_T: tl.constexpr, SLICES: tl.constexpr,
+                     COLS: tl.constexpr, INTERPRETED: tl.constexpr):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
     j = tl.arange(0, HC)
-    row = mix_ptr + offs_t.to(tl.int64) * stride_mix
-    rsqrt = tl.full((BLOCK_T,), 1.0, tl.float32)
-    if FROM_PARTIALS:  # the slices' sums of squares, then rsqrt(mean + eps) as the twin computes it
-        squares_column = tl.full((BLOCK_T,), (2 + HC) * HC, tl.int32)
-        squares = _raw_mixes(row, squares_column, t_mask, rsqrt, FROM_PARTIALS, SLICES, COLS)
-        rsqrt = tl.div_rn(tl.full((BLOCK_T,), 1.0, tl.float32), tl.sqrt_rn(tl.div_rn(squares, K * 1.0) + norm_eps))
+    row = part_ptr + offs_t.to(tl.int64) * stride_pt
+    # the sum of squares, then rsqrt(mean + eps) as the twin computes it
+    squares = _slice_sum(row, tl.full((BLOCK_T,), (2 + HC) * HC, tl.int32), t_mask, SLICES, COLS)
+    squares = tl.where(t_mask, squares, 1.0)  # a padding token: no 1 / 0 when norm_eps is 0
+    rsqrt = tl.div_rn(tl.full((BLOCK_T,), 1.0, tl.float32), tl.sqrt_rn(tl.div_rn(squares, K * 1.0) + norm_eps))
 
     vector_mask = t_mask[:, None]
-    pre = _raw_mixes(row[:, None], j[None, :], vector_mask, rsqrt[:, None], FROM_PARTIALS, SLICES, COLS)
+    pre = _slice_sum(row[:, None], j[None, :], vector_mask, SLICES, COLS) * rsqrt[:, None]
     pre = _sigmoid(pre * tl.load(scale_ptr) + tl.load(base_ptr + j)[None, :], INTERPRETED) + eps
-    post = _raw_mixes(row[:, None], HC + j[None, :], vector_mask, rsqrt[:, None], FROM_PARTIALS, SLICES, COLS)
+    post = _slice_sum(row[:, None], HC + j[None, :], vector_mask, SLICES, COLS) * rsqrt[:, None]
     post = 2.0 * _sigmoid(post * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + j)[None, :], INTERPRETED)
 
     square = j[:, None] * HC + j[None, :]  # [HC, HC]: comb[j, k] at 2 * HC + j * HC + k
-    comb = _raw_mixes(row[:, None, None], 2 * HC + square[None, :, :], t_mask[:, None, None], rsqrt[:, None, None],
-                      FROM_PARTIALS, SLICES, COLS)
+    comb = _slice_sum(row[:, None, None], 2 * HC + square[None, :, :], t_mask[:, None, None], SLICES, COLS)
+    comb = comb * rsqrt[:, None, None]
     comb = comb * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + square)[None, :, :]
     comb = exp_f32(comb - tl.max(comb, axis=2)[:, :, None], INTERPRETED)  # softmax over k ...
     comb = tl.div_rn(comb, tl.sum(comb, axis=2)[:, :, None]) + eps  # ... plus eps
@@ -101,35 +100,19 @@ def _sinkhorn_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, 
     tl.store(comb_ptr + out[:, None, None] * (HC * HC) + square[None, :, :], comb, mask=t_mask[:, None, None])
 
 
-def _launch(mixes: torch.Tensor, slices: int, k: int, norm_eps: float, scale: torch.Tensor, base: torch.Tensor,
-            hc: int, iters: int, eps: float, from_partials: bool, cols: int):
-    t = mixes.shape[0]
-    pre = torch.empty(t, hc, dtype=torch.float32, device=mixes.device)
+def split_sinkhorn(partials: torch.Tensor, k: int, norm_eps: float, scale: torch.Tensor, base: torch.Tensor,
+                   hc: int, iters: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pre ``[T, hc]``, post ``[T, hc]``, comb ``[T, hc, hc]`` of the mixes whose partial sums are
+    ``partials [T, slices, cols]`` (module docstring); ``k`` the stream's columns (the mean's divisor)."""
+    t, slices, cols = partials.shape
+    assert partials.is_contiguous(), "the kernel reads each token's slices at a stride of cols"
+    pre = torch.empty(t, hc, dtype=torch.float32, device=partials.device)
     post = torch.empty_like(pre)
-    comb = torch.empty(t, hc, hc, dtype=torch.float32, device=mixes.device)
+    comb = torch.empty(t, hc, hc, dtype=torch.float32, device=partials.device)
     if t == 0:
         return pre, post, comb
     _sinkhorn_kernel[(triton.cdiv(t, BLOCK_T),)](
-        mixes, scale.float().contiguous(), base.float().contiguous(), pre, post, comb, t, mixes.stride(0),
-        iters, float(eps), k, float(norm_eps), HC=hc, BLOCK_T=BLOCK_T, FROM_PARTIALS=from_partials,
-        SLICES=slices, COLS=cols, INTERPRETED=INTERPRETED, num_warps=NUM_WARPS, enable_fp_fusion=False)
+        partials, scale.float().contiguous(), base.float().contiguous(), pre, post, comb, t, partials.stride(0),
+        iters, float(eps), k, float(norm_eps), HC=hc, BLOCK_T=BLOCK_T, SLICES=slices, COLS=cols,
+        INTERPRETED=INTERPRETED, num_warps=NUM_WARPS, enable_fp_fusion=False)
     return pre, post, comb
-
-
-def split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
-                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """mixes ``[T, (2 + hc) * hc]`` -> pre ``[T, hc]``, post ``[T, hc]``, comb ``[T, hc, hc]`` (module docstring)."""
-    mixes = mixes.float()
-    if mixes.stride(-1) != 1:
-        mixes = mixes.contiguous()
-    return _launch(mixes, 1, 1, 0.0, scale, base, hc, iters, eps, False, 0)
-
-
-def split_sinkhorn_of_partials(partials: torch.Tensor, k: int, norm_eps: float, scale: torch.Tensor,
-                               base: torch.Tensor, hc: int, iters: int,
-                               eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``split_sinkhorn`` of the mixes whose partial sums ``triton_hc_coefficients`` wrote: ``partials [T,
-    slices, cols]`` fp32 (contiguous), ``k`` the stream's columns (the mean's divisor)."""
-    t, slices, cols = partials.shape
-    assert partials.is_contiguous(), "the kernel reads each token's slices at a stride of cols"
-    return _launch(partials, slices, k, norm_eps, scale, base, hc, iters, eps, True, cols)

@@ -34,8 +34,8 @@ heads with 4 warps read every row four times for 64 heads, from L2, and issue na
 H200: 51 against 76 µs at 8 rows, 93 against 81 µs at 64). ``sparse_attention`` takes 16 heads
 while that fills at most one wave of programs. Both give the same bits on the H200 (a head's sums
 are taken in the same order either way; ``test_real_shapes_on_gpu`` checks the bits), so the
-choice by T keeps rows independent of their batch. 64 heads in one program would need 128 accumulator registers per
-thread even with 8 warps, and spill in Triton's code. A row's blocks are never split over programs:
+choice by T keeps rows independent of their batch. 64 heads in one program would need 128
+accumulator registers per thread even with 8 warps, and spill in Triton's code. A row's blocks are never split over programs:
 a split softmax would change the sums.
 
 Every elementwise step is the twin's, in its order: fp32 fusion is off (the twin rounds each
