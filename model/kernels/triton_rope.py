@@ -36,11 +36,12 @@ def _rope_kernel(x_ptr, pos_ptr, table_ptr, H, stride_xt, stride_xh, stride_p, H
     sin = tl.load(table_ptr + position * stride_p + 2 * pairs + 1)[None, :]
     if INVERSE:
         sin = -sin
-    base = x_ptr + t * stride_xt + heads[:, None] * stride_xh + 2 * pairs[None, :]
-    a = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(base + 1, mask=mask, other=0.0).to(tl.float32)
-    tl.store(base, to_bf16(a * cos - b * sin, INTERPRETED), mask=mask)
-    tl.store(base + 1, to_bf16(a * sin + b * cos, INTERPRETED), mask=mask)
+    # each pair loaded and stored together (one contiguous run of 2 * HALF values per head), split in registers
+    base = x_ptr + t * stride_xt + heads[:, None, None] * stride_xh + 2 * pairs[None, :, None] + tl.arange(0, 2)
+    both = tl.load(base, mask=mask[:, :, None], other=0.0).to(tl.float32)  # [BLOCK_H, HALF, 2]
+    a, b = tl.split(both)
+    rotated = tl.join(a * cos - b * sin, a * sin + b * cos)
+    tl.store(base, to_bf16(rotated, INTERPRETED), mask=mask[:, :, None])
 
 
 def rotate_(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -54,5 +55,5 @@ def rotate_(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, inver
     real = torch.view_as_real(table)  # [P, R / 2, 2] fp32: (cos, sin) pairs
     _rope_kernel[(t, triton.cdiv(heads, BLOCK_H))](
         x, positions, real, heads, x.stride(0), stride_h, real.stride(0), HALF=r // 2, INVERSE=inverse,
-        BLOCK_H=BLOCK_H, INTERPRETED=INTERPRETED, num_warps=1, enable_fp_fusion=False)
+        BLOCK_H=BLOCK_H, INTERPRETED=INTERPRETED, num_warps=2, enable_fp_fusion=False)
     return x
