@@ -193,7 +193,7 @@ def main() -> int:
         check(f"rope inverse={inverse}", triton_rope._rope_kernel,
               {"x_ptr": "*bf16", "pos_ptr": "*i64", "table_ptr": "*fp32", **scalars("H stride_xt stride_xh stride_p")},
               {"HALF": 32, "INVERSE": inverse, "BLOCK_H": triton_rope.BLOCK_H, "INTERPRETED": False},
-              options={"num_warps": 1, "enable_fp_fusion": False}, wgmma=False)
+              options={"num_warps": triton_rope.NUM_WARPS, "enable_fp_fusion": False}, wgmma=False)
     mix = {"HC": 4, "BLOCK_D": triton_mhc.BLOCK_D, "INTERPRETED": False}
     check("hc_collapse", triton_mhc._collapse_kernel,
           {"stream_ptr": "*bf16", "pre_ptr": "*fp32", "out_ptr": "*bf16", **scalars("D stride_st stride_sh stride_pt "

@@ -22,6 +22,7 @@ import triton.language as tl
 from .triton_common import INTERPRETED, to_bf16
 
 BLOCK_H = 16  # heads per program
+NUM_WARPS = 2  # 16 heads x 32 pairs x 2 values at V4.1-Flash: 1,024 values, 16 per thread
 
 
 @triton.jit
@@ -55,5 +56,5 @@ def rotate_(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, inver
     real = torch.view_as_real(table)  # [P, R / 2, 2] fp32: (cos, sin) pairs
     _rope_kernel[(t, triton.cdiv(heads, BLOCK_H))](
         x, positions, real, heads, x.stride(0), stride_h, real.stride(0), HALF=r // 2, INVERSE=inverse,
-        BLOCK_H=BLOCK_H, INTERPRETED=INTERPRETED, num_warps=2, enable_fp_fusion=False)
+        BLOCK_H=BLOCK_H, INTERPRETED=INTERPRETED, num_warps=NUM_WARPS, enable_fp_fusion=False)
     return x
