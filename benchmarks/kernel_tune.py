@@ -34,9 +34,9 @@ def run_tune(bench, ms: list[int]) -> None:
     tables = _tables()
     decode_cfgs = [tables.DecodeConfig(bw, bk, bw // 16, st, pps) for bw in (64, 128) for bk in (128, 256)
                    for st in (3, 4) for pps in (2, 4, 8)]
-    # the FP8 linears' kernel: 1 to 4 scale blocks of 32 columns per step
-    fp8_cfgs = [tables.DecodeConfig(bw, bk, warps, st, pps) for bw in (128, 256) for bk in (32, 64, 128)
-                for warps in (4, 8) for st in (3, 4) for pps in (4, 8)]
+    # the FP8 linears' kernel (one scale block per step; block_k = 32, the unit of its splits)
+    fp8_cfgs = [tables.DecodeConfig(bw, 32, 4, st, pps, one_wave=one_wave) for bw in (64, 128) for st in (3, 4, 6)
+                for pps in (2, 4, 8) for one_wave in (True, False)]
     moe_cfgs = [tables.TileConfig(bm, bn, warps, st) for bm in (16, 32) for bn in (64, 128) for warps in (4, 8)
                 for st in (2, 3, 4)]
     # prefill: tens of tokens per expert; wider token tiles for the tensor cores

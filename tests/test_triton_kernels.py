@@ -238,3 +238,7 @@ def test_decode_form_split_count_fills_the_gpu():
     assert split_count(cfg, 1280, 5000, 1, 132) == (20, 256)  # the last split shorter, none empty
     assert split_count(cfg, 32768, 1280, 1, 132) == (2, 640)  # wq_b: 512 tiles, 10 K steps
     assert split_count(cfg, 129280, 5120, 1, 132) == (1, 5120)  # the head: tiles enough
+    one_wave = DecodeConfig(128, 32, 4, 4, 2, one_wave=True)  # at most 2 x 132 programs
+    assert split_count(one_wave, 32768, 1280, 1, 132) == (1, 1280)  # wq_b: 256 tiles, no split
+    assert split_count(one_wave, 5120, 8192, 1, 132) == (6, 1376)  # wo_b: 40 tiles x 6 splits = 240
+    assert split_count(one_wave, 512, 5120, 1, 132) == (54, 96)  # wkv: 4 tiles x at most 64 splits

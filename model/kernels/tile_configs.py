@@ -77,6 +77,7 @@ class DecodeConfig:
     num_stages: int
     programs_per_sm: int  # split K until there are this many programs per SM (or no more K steps)
     max_splits: int = 64
+    one_wave: bool = False  # at most ``programs_per_sm`` per SM: no partial second wave of programs
 
 
 # (largest M, config): ``decode_mm`` (the grouped wo_a, the bf16 head), the best single config over a
@@ -88,11 +89,11 @@ _DECODE_MM_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
 )
 
 
-# the FP8 linears' kernel (``fp8_decode_mm``: ``block_k`` = scale blocks of 32 columns per step): the best
-# single config over wq_b, wo_b, wkv and shared.w1 in the sweep (48 configs) on one H200 at M = 1, and
-# within 1% of the best at M = 64 (a 64-column step, which spills registers at 64 tokens)
+# the FP8 linears' kernel (``fp8_decode_mm``: one scale block of 32 columns per step, ``block_k`` = 32 the
+# unit of its splits): the best config of a layer's eight FP8 linears in one CUDA graph on one H200 among
+# 128 / 64 weight rows, 3 / 4 / 6 stages, 2 / 4 / 8 programs per SM (docs/benchmarks.md), at M = 1 and 64
 _FP8_DECODE_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
-    (64, DecodeConfig(128, 32, 4, 3, 4)),
+    (64, DecodeConfig(128, 32, 4, 4, 2, one_wave=True)),
 )
 
 

@@ -6,16 +6,18 @@ Two kernels, for the small M of decode steps, where the weight's bytes are the w
   times an FP8 weight), in the reference's order (``model/gemm.py``'s ``block_scaled_linear``): per
   block of 32 columns, the products of the *unscaled* e4m3 values (exact in fp16, summed in fp32 by
   the tensor cores), times the activation's scale, times the weight's, added to the row's sum block
-  after block. The weight bytes go from shared memory to fp16 registers by one conversion per pair
-  of values and feed the tensor cores from there; the scales touch only a thread's 16-64
-  accumulators per block. The first version (``_decode_mm_kernel``, still used for the other
-  products) expanded every weight value to bf16 with its scale applied and redid the activation's
-  round trip in every warp: ~22 instructions per weight byte in its inner loop against ~5 here (SASS
-  counts), where the HBM bandwidth leaves an SM time for ~8. Instruction issue was not what limited
-  it, though: on one H200 a layer's FP8 linears take the same time at one token (138 against 135
-  µs) and 4% less at 64 (``docs/benchmarks.md``). What does limit a 2-40 MB weight read to 10-30 µs
-  is not established; the next suspects are each program's first-load latency and a partial last
-  wave of programs.
+  after block. The activation's round trip is computed once per call (``act_quant``: e4m3 values
+  in fp16 and their scales), not by every program at every step, and its values are loaded as the
+  product's operand; the weight bytes go from shared memory to fp16 registers by one conversion
+  per pair of values; the scales, which the compiler's pipeline does not load ahead (they are not
+  product operands), are loaded one step ahead by hand. On one H200 this made a layer's eight FP8
+  linears (in one CUDA graph) 124 -> 120 µs at one token and 252 -> 190 µs at 64, bit for bit the
+  same results for the same split (``docs/benchmarks.md``). What else limits them: a fixed ~7-10 µs
+  per linear (the quantization, the product and the split sum are three launches of ~2 µs each in a
+  graph, plus the first loads' latency), while the 42 MB weights stream at ~2-3 TB/s. Tried and not
+  kept: the weight through TMA descriptors with up to 8 stages (no faster), and e4m3 products on the
+  FP8 tensor cores (12% faster, but their sums inside a 32-block are not exact: 0.5-1.4% of outputs
+  moved by more than one bf16 ulp, against 0-0.003% here).
 * ``decode_mm``: the other bf16-operand products (the grouped ``wo_a`` with its bf16 activation,
   the bf16 head), what ``triton_bf16_mm.bf16_mm`` computes, with the weight tile expanded to bf16.
 
@@ -46,7 +48,8 @@ import triton.language as tl
 
 from ..config import WeightFormat
 from .tile_configs import DecodeConfig, decode_mm_config, fp8_decode_config
-from .triton_common import INTERPRETED, quantize_groups_of_32, sm_count, to_bf16
+from .triton_common import INTERPRETED, sm_count, to_bf16
+from .triton_scaled_mm import act_quant
 from .triton_weight_tiles import FORMAT_CODES, weight_rows
 
 # the decode form takes M <= this (one token tile); at M = 256 it measured slower than the
@@ -55,34 +58,39 @@ MAX_TOKENS = 64
 
 
 @triton.jit
-def _fp8_decode_mm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
-                          stride_am, stride_wn, stride_sn, stride_os, stride_om,
-                          BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr,
+def _fp8_decode_mm_kernel(q_ptr, qs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
+                          stride_qm, stride_qsm, stride_wn, stride_sn, stride_os, stride_om,
+                          BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, PARTIAL: tl.constexpr,
                           EXACT_DOT: tl.constexpr):
     pid_w, split = tl.program_id(0), tl.program_id(1)
     offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)  # output features (weight rows)
     offs_t = tl.arange(0, BLOCK_T)  # tokens
     offs_c = tl.arange(0, 32)  # the columns of one scale block
     row_ok = offs_w < N
+    t_ok = offs_t < M
     acc = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
     k_begin = split * k_per_split
-    for k_step in range(k_begin, tl.minimum(k_begin + k_per_split, K), BLOCK_K):
-        for block in tl.static_range(BLOCK_K // 32):  # the step's scale blocks, in order (K % BLOCK_K == 0)
-            k0 = k_step + block * 32
-            a = tl.load(a_ptr + offs_t[:, None] * stride_am + (k0 + offs_c)[None, :], mask=offs_t[:, None] < M,
-                        other=0.0)
-            q, a_scale = quantize_groups_of_32(a.to(tl.float32), BLOCK_T, 32)  # e4m3 values [T, 32], scales [T, 1]
-            raw = tl.load(w_ptr + offs_w[:, None] * stride_wn + (k0 + offs_c)[None, :], mask=row_ok[:, None], other=0)
-            e = tl.load(s_ptr + (offs_w // 32) * stride_sn + k0 // 32, mask=row_ok, other=0).to(tl.int32)
-            w_scale = (e << 23).to(tl.float32, bitcast=True)  # UE8M0 byte e -> 2**(e - 127)
-            if EXACT_DOT:  # the interpreter multiplies 16-bit dot operands wrongly; fp32: the same exact products
-                w = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                part = tl.dot(w, tl.trans(q), input_precision="ieee")
-            else:  # e4m3 values are exact in fp16: one conversion per pair of bytes, no scale on the values
-                w = raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-                part = tl.dot(w, tl.trans(q.to(tl.float16)))
-            acc += part * tl.reshape(a_scale, (BLOCK_T,))[None, :] * w_scale[:, None]  # the reference's order
-    mask = (offs_t[None, :] < M) & row_ok[:, None]
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    # the scales are not operands of the product, so the compiler's pipeline does not load them
+    # ahead; each block's are loaded one block before they are used
+    w_exp_next = tl.load(s_ptr + (offs_w // 32) * stride_sn + k_begin // 32, mask=row_ok, other=0)
+    a_scale_next = tl.load(qs_ptr + offs_t * stride_qsm + k_begin // 32, mask=t_ok, other=0.0)
+    for k0 in range(k_begin, k_end, 32):  # one scale block per step, in order
+        w_exp, a_scale = w_exp_next, a_scale_next
+        following = tl.minimum(k0 + 32, k_end - 32) // 32  # the last step reloads its own: always in range
+        w_exp_next = tl.load(s_ptr + (offs_w // 32) * stride_sn + following, mask=row_ok, other=0)
+        a_scale_next = tl.load(qs_ptr + offs_t * stride_qsm + following, mask=t_ok, other=0.0)
+        # [32, T]: the activation's e4m3 values, loaded in the product's orientation
+        q = tl.load(q_ptr + offs_t[None, :] * stride_qm + (k0 + offs_c)[:, None], mask=t_ok[None, :], other=0.0)
+        raw = tl.load(w_ptr + offs_w[:, None] * stride_wn + (k0 + offs_c)[None, :], mask=row_ok[:, None], other=0)
+        w_scale = (w_exp.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # UE8M0 byte e -> 2**(e - 127)
+        if EXACT_DOT:  # the interpreter multiplies 16-bit dot operands wrongly; fp32: the same exact products
+            part = tl.dot(raw.to(tl.float8e4nv, bitcast=True).to(tl.float32), q.to(tl.float32),
+                          input_precision="ieee")
+        else:  # e4m3 values are exact in fp16: one conversion per pair of bytes, no scale on the values
+            part = tl.dot(raw.to(tl.float8e4nv, bitcast=True).to(tl.float16), q)
+        acc += part * a_scale[None, :] * w_scale[:, None]  # the reference's order
+    mask = t_ok[None, :] & row_ok[:, None]
     out_ptr += split * stride_os + offs_t[None, :] * stride_om + offs_w[:, None]
     if PARTIAL:
         tl.store(out_ptr, acc, mask=mask)
@@ -149,11 +157,13 @@ def fit_shared_memory(cfg: DecodeConfig, weight_bytes: int, block_t: int) -> Dec
 
 
 def split_count(cfg: DecodeConfig, n: int, k: int, groups: int, sms: int) -> tuple[int, int]:
-    """(splits, K columns per split): enough programs for ``cfg.programs_per_sm`` per SM, each
-    split a whole number of ``block_k`` steps."""
+    """(splits, K columns per split): enough programs for ``cfg.programs_per_sm`` per SM (with
+    ``cfg.one_wave``: as many splits as keep them within that many), each split a whole number of
+    ``block_k`` steps."""
     tiles = triton.cdiv(n, cfg.block_w) * groups
     steps = triton.cdiv(k, cfg.block_k)
-    splits = max(1, min(steps, triton.cdiv(cfg.programs_per_sm * sms, tiles), cfg.max_splits))
+    wanted = (cfg.programs_per_sm * sms) // tiles if cfg.one_wave else triton.cdiv(cfg.programs_per_sm * sms, tiles)
+    splits = max(1, min(steps, wanted, cfg.max_splits))
     steps_per_split = triton.cdiv(steps, splits)
     return triton.cdiv(steps, steps_per_split), steps_per_split * cfg.block_k
 
@@ -182,18 +192,17 @@ def fp8_decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m == 0:
         return out
-    if a.stride(1) != 1:
-        a = a.contiguous()
+    q, q_scales = act_quant(a)  # once per call, not once per program and step
     block_t = max(16, triton.next_power_of_2(m))
     cfg = fp8_decode_config(m)
-    while k % cfg.block_k:  # whole steps (the tables' steps divide every V4.1 K)
+    while k % cfg.block_k:  # whole split units (the tables' units divide every V4.1 K)
         cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2)
     splits, k_per_split = split_count(cfg, n, k, 1, sm_count(a.device))
     w, s = values.view(torch.uint8), scales.view(torch.uint8)
     target = torch.empty(splits, m, n, dtype=torch.float32, device=a.device) if splits > 1 else out
     _fp8_decode_mm_kernel[(triton.cdiv(n, cfg.block_w), splits)](
-        a, w, s, target, m, n, k, k_per_split, a.stride(0), w.stride(0), s.stride(0), m * n, n,
-        BLOCK_T=block_t, BLOCK_W=cfg.block_w, BLOCK_K=cfg.block_k, PARTIAL=splits > 1, EXACT_DOT=INTERPRETED,
+        q, q_scales, w, s, target, m, n, k, k_per_split, q.stride(0), q_scales.stride(0), w.stride(0), s.stride(0),
+        m * n, n, BLOCK_T=block_t, BLOCK_W=cfg.block_w, PARTIAL=splits > 1, EXACT_DOT=INTERPRETED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return _sum_splits(target, out) if splits > 1 else out
 
