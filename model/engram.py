@@ -151,10 +151,18 @@ class Engram:
             rows = dequantize_fp8_rows(rows, self.table_scale[hash_ids])
         kv = self.wkv(rows.flatten(-2))
         key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
-        key = key.float().unflatten(-1, (self.hc, self.dim))
-        h, eps = stream.float(), self.eps
-        # normalised per (token, copy) over the hidden dim, not jointly over the copies
-        rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
-        dot = (h * self.gate_weight * key).sum(-1) * rstd * self.dim ** -0.5
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(self.clamp_value).sqrt(), dot))
-        return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(stream.dtype)
+        return self.wkv.kernels.engram_gate(stream, key, value, self.gate_weight, self.eps, self.clamp_value)
+
+
+def engram_gate(stream: torch.Tensor, key: torch.Tensor, value: torch.Tensor, weight: torch.Tensor, eps: float,
+                clamp_value: float) -> torch.Tensor:
+    """Engram's gated add (the reference's arithmetic): ``stream [T, hc, D]``, the looked-up ``key [T,
+    hc * D]`` and ``value [T, D]``, ``weight [hc, D]`` (q_weight * k_weight) -> the new stream."""
+    hc, dim = stream.shape[1:]
+    key = key.float().unflatten(-1, (hc, dim))
+    h = stream.float()
+    # normalised per (token, copy) over the hidden dim, not jointly over the copies
+    rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+    dot = (h * weight * key).sum(-1) * rstd * dim ** -0.5
+    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(clamp_value).sqrt(), dot))
+    return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(stream.dtype)

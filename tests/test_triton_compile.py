@@ -46,7 +46,7 @@ def main() -> int:
 
     from model.cache_formats import COMPRESSED_KV, INDEX_KEYS, WINDOW_KV
     from model.kernels import (tile_configs, triton_align_pairs, triton_bf16_mm, triton_cache_codec,
-                               triton_decode_mm, triton_fp4_round_trip, triton_hc_coefficients, triton_index_scores,
+                               triton_decode_mm, triton_engram, triton_fp4_round_trip, triton_hc_coefficients, triton_index_scores,
                                triton_mhc, triton_moe, triton_moe_sum, triton_ngram_hash, triton_rms_norm, triton_rope,
                                triton_scaled_mm, triton_sinkhorn, triton_sparse_attention, triton_top_entries)
 
@@ -222,6 +222,11 @@ def main() -> int:
               {"gate_ptr": "*bf16", "up_ptr": "*bf16", "out_ptr": "*bf16", **scalars("I stride_g stride_u stride_o"),
                "limit": "fp32"}, {"CLAMP": clamp, "BLOCK": triton_moe_sum.BLOCK, "INTERPRETED": False},
               options={"enable_fp_fusion": False}, wgmma=False)
+    check("engram_gate hc=4", triton_engram._engram_gate_kernel,
+          {"h_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*bf16",
+           **scalars("D stride_k stride_v"), "eps": "fp32", "clamp": "fp32", "inv_sqrt_d": "fp32"},
+          {"HC": 4, "BLOCK": triton_engram.BLOCK, "INTERPRETED": False}, options={"enable_fp_fusion": False},
+          wgmma=False)
     check("moe_sum k=6", triton_moe_sum._moe_sum_kernel,
           {"routed_ptr": "*bf16", "ids_ptr": "*i64", "shared_ptr": "*bf16", "out_ptr": "*bf16",
            **scalars("D stride_rt stride_rk stride_it stride_st stride_ot")},

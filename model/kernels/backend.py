@@ -8,7 +8,7 @@ compressor's pooling) are in it for the head's size (the largest single weight);
 and the indexer's scores for their intermediate (a per-query copy of the keys). A few elementwise
 chains are in it for their launch counts: each is many tiny torch kernels (mHC's coefficients ~7
 and a Sinkhorn split ~135 per call, an FP4 round trip ~28, mHC's collapse and expand 4 and 7, RMSNorm and RoPE 6, the
-MoE's SwiGLU 7 and expert sum ~12, Engram's n-gram hashing ~45), which a decode step would otherwise
+MoE's SwiGLU 7 and expert sum ~12, Engram's n-gram hashing ~45 and its gated add ~15), which a decode step would otherwise
 spend its time launching.
 Other plain bf16 products (the compressor's and indexer's other weights) are not: both
 backends run them through torch (``model/gemm.py``).
@@ -153,6 +153,13 @@ class KernelBackend(ABC):
                        multipliers: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Engram's n-gram hash ids ``[T, layers, (n - 1) * heads]`` int64 (``model.engram.ngram_hash_ids``,
         integer arithmetic: every backend gives the same ids)."""
+
+    @abstractmethod
+    def engram_gate(self, stream: torch.Tensor, key: torch.Tensor, value: torch.Tensor, weight: torch.Tensor,
+                    eps: float, clamp_value: float) -> torch.Tensor:
+        """Engram's gated add of the looked-up ``value [T, D]`` to each copy of ``stream [T, hc, D]``,
+        gated by the normalised dot product of the copy with its ``key`` (``model.engram.engram_gate``;
+        fp32 inside, bf16 out)."""
 
     @abstractmethod
     def moe_sum(self, routed: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:

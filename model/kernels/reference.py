@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..engram import ngram_hash_ids
+from ..engram import engram_gate, ngram_hash_ids
 from ..gemm import block_scaled_linear, dense_linear
 from ..indexer import top_entries
 from ..layers import rms_norm
@@ -122,6 +122,10 @@ class ReferenceKernels(KernelBackend):
 
     def ngram_hash_ids(self, *args) -> torch.Tensor:
         return ngram_hash_ids(*args)
+
+    def engram_gate(self, stream: torch.Tensor, key: torch.Tensor, value: torch.Tensor, weight: torch.Tensor,
+                    eps: float, clamp_value: float) -> torch.Tensor:
+        return engram_gate(stream, key, value, weight, eps, clamp_value)
 
     def moe_sum(self, routed: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         y = combine_routed(routed, ids)

@@ -25,6 +25,7 @@ from .triton_fp4_round_trip import fp4_round_trip
 from .triton_hc_coefficients import hc_coefficients
 from .triton_index_scores import index_scores
 from .triton_mhc import collapse, expand
+from .triton_engram import engram_gate as triton_engram_gate
 from .triton_ngram_hash import ngram_hash_ids
 from .triton_rms_norm import rms_norm
 from .triton_rope import rotate_
@@ -137,6 +138,10 @@ class TritonKernels(KernelBackend):
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         return swiglu(gate, up, limit)
+
+    def engram_gate(self, stream: torch.Tensor, key: torch.Tensor, value: torch.Tensor, weight: torch.Tensor,
+                    eps: float, clamp_value: float) -> torch.Tensor:
+        return triton_engram_gate(stream, key, value, weight, eps, clamp_value)
 
     def moe_sum(self, routed: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         return moe_sum(routed, ids, shared)
