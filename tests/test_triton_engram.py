@@ -3,8 +3,14 @@
 Without a GPU it runs in Triton's interpreter (``conftest.py`` sets ``TRITON_INTERPRET``), on the GPU
 on CUDA tensors; the twin runs on the CPU. The kernel does the twin's fp32 operations in its order
 except for the order of the three row sums, and ``exp``/``rsqrt`` come from another library, so the
-gate may move by an fp32 ulp and an output, rarely, by one bf16 ulp. Check: within one bf16 ulp and
-at least 99% bit-equal; a row alone equals its row in a batch (the kernel is row-local).
+gate of a row may differ from the twin's by a few fp32 ulps, more where the dot product is near zero
+(the square root magnifies it there): on the 4,096-token set below the twin's own fp32 gate is up to
+7.2e-7 from its float64 value. An output ``h + gate * v`` then differs by up to ~2e-6 |v| before its
+bf16 rounding, which is more than one bf16 ulp of the output where ``h`` and ``gate * v`` nearly
+cancel (a one-ulp move of the gate alone fails a pure one-ulp check at 64 tokens, and at 4,096 tokens
+on the GPU it did). Check: within one bf16 ulp of the output plus 2**-16 |v|, and at least 99%
+bit-equal; a wrong gate formula is off by ~0.1 |v|. A row alone equals its row in a batch (the kernel
+is row-local).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from model.engram import engram_gate as twin  # noqa: E402
-from tests.kernel_checks import device, one_bf16_ulp_mismatch  # noqa: E402
+from tests.kernel_checks import device  # noqa: E402
 
 EPS, CLAMP = 1e-6, 1e-6
 
@@ -26,6 +32,16 @@ def inputs(tokens: int, hc: int, dim: int, seed: int):
     kv = torch.randn(tokens, hc * dim + dim, generator=gen).bfloat16()  # key and value: column ranges of one tensor
     weight = torch.randn(hc, dim, generator=gen) * 0.2
     return stream, kv, weight
+
+
+def mismatch(got: torch.Tensor, ref: torch.Tensor, value: torch.Tensor) -> str | None:
+    """Why ``got`` is not within the bound of the module docstring; None if it is."""
+    got, ref = got.float(), ref.float()
+    allowed = ref.abs() * 2.0 ** -7 + value.float().abs().unsqueeze(-2) * 2.0 ** -16
+    if not bool(((got - ref).abs() <= allowed).all()):
+        return f"beyond the bound by up to {((got - ref).abs() - allowed).max().item():.3g}"
+    equal = (got == ref).float().mean().item()
+    return None if equal >= 0.99 else f"only {equal:.2%} bit-equal"
 
 
 def run(stream, kv, weight, on):
@@ -44,7 +60,7 @@ def test_engram_gate_matches_the_twin(tokens, hc, dim):
     ref = twin(stream, key, value, weight, EPS, CLAMP)
     got = run(stream, kv, weight, device())
     assert got.dtype == torch.bfloat16 and got.shape == ref.shape
-    assert (problem := one_bf16_ulp_mismatch(got, ref, min_bit_equal=0.99)) is None, problem
+    assert (problem := mismatch(got, ref, value)) is None, problem
 
 
 def test_engram_gate_follows_the_gate_sign_and_the_clamp():
@@ -81,4 +97,21 @@ def test_engram_gate_at_v41_width_on_the_gpu(tokens):
     key, value = kv.split([4 * 5120, 5120], dim=-1)
     ref = twin(stream, key, value, weight, EPS, CLAMP)
     got = run(stream, kv, weight, "cuda")
-    assert (problem := one_bf16_ulp_mismatch(got, ref, min_bit_equal=0.99)) is None, problem
+    assert (problem := mismatch(got, ref, value)) is None, problem
+
+
+def test_the_bound_tolerates_a_moved_gate_and_rejects_a_wrong_one():
+    """The check itself: the twin's output with its gate moved by 1e-6 passes, with the gate's square
+    root dropped (a plausible slip) fails."""
+    stream, kv, weight = inputs(4096, 4, 64, seed=5)
+    hc, dim = stream.shape[1:]
+    key, value = kv.split([hc * dim, dim], dim=-1)
+    ref = twin(stream, key, value, weight, EPS, CLAMP)
+    h, k = stream.float(), key.float().unflatten(-1, (hc, dim))
+    rstd = torch.rsqrt(h.square().mean(-1) + EPS) * torch.rsqrt(k.square().mean(-1) + EPS)
+    dot = (h * weight * k).sum(-1) * rstd * dim ** -0.5
+    moved = torch.sigmoid(torch.copysign(dot.abs().clamp_min(CLAMP).sqrt(), dot)) + 1e-6
+    wrong = torch.sigmoid(dot)
+    with_gate = lambda gate: (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).bfloat16()  # noqa: E731
+    assert mismatch(with_gate(moved), ref, value) is None
+    assert mismatch(with_gate(wrong), ref, value) is not None
