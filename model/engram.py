@@ -113,11 +113,11 @@ def ngram_hash_ids(compressed: torch.Tensor, positions: torch.Tensor, start: tor
 
 class Engram:
     def __init__(self, table: torch.Tensor, table_scale: torch.Tensor | None, wkv: Linear, q_weight: torch.Tensor,
-                 k_weight: torch.Tensor, hc: int, dim: int, eps: float, storage: str = "gpu"):
+                 k_weight: torch.Tensor, hc: int, dim: int, eps: float, kernels: KernelBackend, storage: str = "gpu"):
         # [rows, head_dim] as stored: e4m3 values with one UE8M0 scale per row per 32 (table_scale),
         # or bf16; only the gathered rows are ever dequantized
         self.table, self.table_scale = table, table_scale
-        self.wkv, self.hc, self.dim, self.eps = wkv, hc, dim, eps
+        self.wkv, self.hc, self.dim, self.eps, self.kernels = wkv, hc, dim, eps, kernels
         self.gate_weight = q_weight.float() * k_weight.float()  # only ever used as a product
         self.clamp_value = 1e-6
         # "gpu": the tables move with the module; "host": on a GPU they stay in host memory and the
@@ -151,7 +151,7 @@ class Engram:
             rows = dequantize_fp8_rows(rows, self.table_scale[hash_ids])
         kv = self.wkv(rows.flatten(-2))
         key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
-        return self.wkv.kernels.engram_gate(stream, key, value, self.gate_weight, self.eps, self.clamp_value)
+        return self.kernels.engram_gate(stream, key, value, self.gate_weight, self.eps, self.clamp_value)
 
 
 def engram_gate(stream: torch.Tensor, key: torch.Tensor, value: torch.Tensor, weight: torch.Tensor, eps: float,

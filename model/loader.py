@@ -232,7 +232,7 @@ class _Builder:
             table = self.t(e + "embed.weight")
             table_scale = self.t(e + "embed.scale") if table.dtype == torch.float8_e4m3fn else None
             engram = Engram(table, table_scale, self.linear(e + "wkv"), self.t(e + "q_weight"), self.t(e + "k_weight"),
-                            cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps, storage=self.engram_storage)
+                            cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps, self.kernels, storage=self.engram_storage)
 
         def hc(sub: str) -> HyperConnection:
             return HyperConnection(self.t(f"{p}hc_{sub}_fn").float(), self.t(f"{p}hc_{sub}_base").float(),

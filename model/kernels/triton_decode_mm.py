@@ -192,6 +192,8 @@ def fp8_decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m == 0:
         return out
+    if a.stride(1) != 1:
+        a = a.contiguous()
     q, q_scales = act_quant(a)  # once per call, not once per program and step
     block_t = max(16, triton.next_power_of_2(m))
     cfg = fp8_decode_config(m)
