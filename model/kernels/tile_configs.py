@@ -90,8 +90,9 @@ _DECODE_MM_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
 
 
 # the FP8 linears' kernel (``fp8_decode_mm``: one scale block of 32 columns per step, ``block_k`` = 32 the
-# unit of its splits): the best config of a layer's eight FP8 linears in one CUDA graph on one H200 among
-# 128 / 64 weight rows, 3 / 4 / 6 stages, 2 / 4 / 8 programs per SM (docs/benchmarks.md), at M = 1 and 64
+# unit of its splits): among 128 / 64 weight rows, 3 / 4 / 6 stages and 2 / 4 / 8 programs per SM, the
+# best for a layer's eight FP8 linears in one CUDA graph on one H200 at M = 64 and within 1% of the best
+# at M = 1 (docs/benchmarks.md)
 _FP8_DECODE_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
     (64, DecodeConfig(128, 32, 4, 4, 2, one_wave=True)),
 )
