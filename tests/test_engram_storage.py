@@ -73,7 +73,7 @@ def test_host_storage_on_cpu_is_the_device_memory(tiny_checkpoint):
     assert torch.equal(host(stream, hash_ids), engram(stream, hash_ids))
     with pytest.raises(ValueError, match="storage"):
         type(engram)(engram.table, engram.table_scale, engram.wkv, torch.ones(1), torch.ones(1), 1, 1, 1e-6,
-                     storage="disk")
+                     engram.kernels, storage="disk")
 
 
 @pytest.mark.gpu
