@@ -26,11 +26,11 @@ DECODE_MAX_M = 256  # above: the experts' prefill configs
 
 
 def run_tune(bench, ms: list[int]) -> None:
-    """Sweep the tile configs at the sizes ``ms`` (the FP8 linears' decode form only where it is used);
-    appends one entry per (kernel, M) to ``bench.tune``."""
+    """Sweep the tile configs at the sizes ``ms``; appends one entry per (kernel, M) to ``bench.tune``."""
     # FP8 linears at M <= 64: the decode form's configs (triton_decode_mm; the split changes the
-    # summation order, so outputs are compared within tolerance). Experts: the weight rows stay on
-    # the tensor cores' 64-row side (batch invariance) (outputs compared bit for bit).
+    # summation order, so outputs are compared within tolerance); above, the prefill form's
+    # (triton_bf16_mm, compared bit for bit). Experts: the weight rows stay on the tensor cores'
+    # 64-row side (batch invariance) (outputs compared bit for bit).
     tables = _tables()
     decode_cfgs = [tables.DecodeConfig(bw, bk, bw // 16, st, pps) for bw in (64, 128) for bk in (128, 256)
                    for st in (3, 4) for pps in (2, 4, 8)]
@@ -42,26 +42,34 @@ def run_tune(bench, ms: list[int]) -> None:
     # prefill: tens of tokens per expert; wider token tiles for the tensor cores
     moe_prefill_cfgs = [tables.TileConfig(bm, bn, warps, st) for bm in (64, 128) for bn in (64, 128, 256)
                         for warps in (4, 8) for st in (2, 3)]
+    # the FP8 linears' and wo_a's prefill form (triton_bf16_mm, M above the decode form): the tokens on the
+    # tensor cores' 64-row side (block_m >= 64; every config sums K in the same 64-column steps, so outputs
+    # are compared bit for bit), pipelines that fit in shared memory (num_stages bf16 tiles of 64 columns)
+    prefill_cfgs = [tables.TileConfig(bm, bn, warps, st) for bm in (64, 128, 256) for bn in (64, 128, 256)
+                    for warps in (4, 8) for st in (3, 4) if st * 64 * 2 * (bm + bn) <= 200 * 1024]
     if bench.args.tiny:
         decode_cfgs, moe_cfgs, fp8_cfgs = decode_cfgs[1::5], moe_cfgs[1::5], fp8_cfgs[1::5]  # the logic, not the numbers
-        moe_prefill_cfgs = moe_prefill_cfgs[1::5]
+        moe_prefill_cfgs, prefill_cfgs = moe_prefill_cfgs[1::5], prefill_cfgs[1::5]
     budget = (bench.budget_fast[0] * 0.4, bench.budget_fast[1], bench.budget_fast[2])
     for m in ms:
-        if m <= bench.tk_decode_max:
-            for spec in bench.specs:
-                ws = bench.weights[spec.name]
-                nx = input_sets(m, spec.groups * spec.k * 2, True)
-                shape = (m, spec.groups, spec.k) if spec.groups > 1 else (m, spec.k)
-                xs = [torch.randn(shape, device=bench.device, generator=bench.gen).to(torch.bfloat16)
-                      for _ in range(nx)]
-                fn = bench.tk.grouped_dequantized_linear if spec.groups > 1 else bench.tk.quantized_linear
-                nbytes, flops = linear_bytes(spec, m, ws[0])
-                limit_s = limit_of(nbytes, flops, bench.ceil)[2]
-                table, cfgs = ("decode", decode_cfgs) if spec.groups > 1 else ("fp8_decode", fp8_cfgs)
-                default = (tables.decode_mm_config if spec.groups > 1 else tables.fp8_decode_config)(m)
-                _sweep(bench, spec.name, m, limit_s, default, cfgs, table,
-                       lambda i: fn(xs[i % nx], ws[i % len(ws)]), budget)
-                del xs
+        for spec in bench.specs:
+            ws = bench.weights[spec.name]
+            nx = input_sets(m, spec.groups * spec.k * 2, True)
+            shape = (m, spec.groups, spec.k) if spec.groups > 1 else (m, spec.k)
+            xs = [torch.randn(shape, device=bench.device, generator=bench.gen).to(torch.bfloat16)
+                  for _ in range(nx)]
+            fn = bench.tk.grouped_dequantized_linear if spec.groups > 1 else bench.tk.quantized_linear
+            nbytes, flops = linear_bytes(spec, m, ws[0])
+            limit_s = limit_of(nbytes, flops, bench.ceil)[2]
+            if m > bench.tk_decode_max:
+                table, cfgs, default = "bf16", prefill_cfgs, tables.bf16_mm_config(m)
+            elif spec.groups > 1:
+                table, cfgs, default = "decode", decode_cfgs, tables.decode_mm_config(m)
+            else:
+                table, cfgs, default = "fp8_decode", fp8_cfgs, tables.fp8_decode_config(m)
+            _sweep(bench, spec.name, m, limit_s, default, cfgs, table,
+                   lambda i: fn(xs[i % nx], ws[i % len(ws)]), budget)
+            del xs
         sets = bench.routing_sets(m, 8)
         hit = statistics.mean(int(torch.unique(st[2]).numel()) for st in sets)
         pairs = m * bench.s.top_k
@@ -88,7 +96,7 @@ def _sweep(bench, name, m, limit_s, default, cfgs, table, call, budget) -> None:
             except Exception as exc:  # e.g. out of shared memory
                 entry["configs"].append({"config": asdict(cfg), "error": f"{type(exc).__name__}: {exc}"[:200]})
                 continue
-        if table != "moe":  # another split: another summation order
+        if table not in ("moe", "bf16"):  # another split: another summation order
             err = rel_err(out, base)
             entry["configs"].append({"config": asdict(cfg), "s": t, "rel_err_to_default": err})
             if not err <= MAX_REL_ERR:
@@ -107,20 +115,22 @@ def _sweep(bench, name, m, limit_s, default, cfgs, table, call, budget) -> None:
 
 
 @contextlib.contextmanager
-def override_tables(moe=None, decode=None, fp8_decode=None):
-    """Every M takes ``moe`` / ``decode`` / ``fp8_decode`` while inside (the tables are read at each call)."""
+def override_tables(moe=None, decode=None, fp8_decode=None, bf16=None):
+    """Every M takes ``moe`` / ``decode`` / ``fp8_decode`` / ``bf16`` while inside (the tables are read at
+    each call)."""
     tables = _tables()
-    saved = tables._MOE_TABLE, tables._DECODE_MM_TABLE, tables._FP8_DECODE_TABLE
+    names = {"moe": "_MOE_TABLE", "decode": "_DECODE_MM_TABLE", "fp8_decode": "_FP8_DECODE_TABLE",
+             "bf16": "_BF16_MM_TABLE"}
+    chosen = {"moe": moe, "decode": decode, "fp8_decode": fp8_decode, "bf16": bf16}
+    saved = {attr: getattr(tables, attr) for attr in names.values()}
     try:
-        if moe is not None:
-            tables._MOE_TABLE = ((1 << 62, moe),)
-        if decode is not None:
-            tables._DECODE_MM_TABLE = ((1 << 62, decode),)
-        if fp8_decode is not None:
-            tables._FP8_DECODE_TABLE = ((1 << 62, fp8_decode),)
+        for key, cfg in chosen.items():
+            if cfg is not None:
+                setattr(tables, names[key], ((1 << 62, cfg),))
         yield
     finally:
-        tables._MOE_TABLE, tables._DECODE_MM_TABLE, tables._FP8_DECODE_TABLE = saved
+        for attr, table in saved.items():
+            setattr(tables, attr, table)
 
 
 def cfg_text(cfg) -> str:
@@ -128,7 +138,8 @@ def cfg_text(cfg) -> str:
     if isinstance(cfg, dict):
         cfg = (tables.DecodeConfig if "block_w" in cfg else tables.TileConfig)(**cfg)
     if isinstance(cfg, tables.DecodeConfig):
-        return f"w{cfg.block_w}/k{cfg.block_k}/warps{cfg.num_warps}/s{cfg.num_stages}/pps{cfg.programs_per_sm}"
+        wave = "/one-wave" if cfg.one_wave else ""
+        return f"w{cfg.block_w}/k{cfg.block_k}/warps{cfg.num_warps}/s{cfg.num_stages}/pps{cfg.programs_per_sm}{wave}"
     return f"m{cfg.block_m}/n{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}"
 
 
@@ -142,7 +153,7 @@ def tune_markdown(bench) -> str:
                      f"| {e['limit_s'] / e['best_s']:.0%} |")
     # the tables are keyed by M only: the config with the least total time over the GEMMs of each M
     lines += ["", "Best single config per M and table (sum over its GEMMs: the FP8 linears, wo_a, the experts):", ""]
-    for table in ("fp8_decode", "decode", "moe"):
+    for table in ("fp8_decode", "decode", "bf16", "moe"):
         for m in sorted({e["m"] for e in bench.tune}):
             entries = [e for e in bench.tune if e["m"] == m and e["table"] == table]
             totals: dict[str, float] = {}

@@ -56,10 +56,13 @@ of the rows (a row's result does not depend on the other rows: in the batch-inva
 bit for bit, in the decode form within the tolerance). The
 script stops with exit status 1 if any difference exceeds 1e-2 or any output is not finite.
 
-``--tune`` sweeps, at the given M values, the decode form's configs of the FP8 linears (M <= 64:
-64-128 weight rows x 128-256 K columns per step, 3-4 stages, 2-8 programs per SM before split-K
-stops; outputs compared with the default config's within the tolerance, since another split sums
-in another order) and the experts' configs (M <= 256: 16-32 tokens x 64-128 weight rows, 2-4
+``--tune`` sweeps, at the given M values, the configs of the FP8 linears' decode form (M <= 64:
+64-128 weight rows, 3-6 stages, 2-8 programs per SM before split-K stops, with or without the
+one-wave cap; ``wo_a``: 64-128 weight rows x 128-256 K columns per step, 3-4 stages; outputs
+compared with the default config's within the tolerance, since another split sums in another
+order), of their prefill form (M > 64: 64-256 tokens x 64-256 weight rows, 4 or 8 warps, 3-4
+stages within shared memory; outputs compared bit for bit: every config sums K in the same steps)
+and the experts' configs (M <= 256: 16-32 tokens x 64-128 weight rows, 2-4
 stages; above: 64-128 tokens x 128-256 weight rows, 2-3 stages; 4 or 8 warps; outputs compared bit
 for bit: the experts' kernels are batch invariant), by
 overriding ``model.kernels.tile_configs`` tables for the duration of each measurement, and prints
