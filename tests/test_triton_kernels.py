@@ -192,7 +192,7 @@ def test_fp32_linear_matches_reference(rows, n):
 
 
 @pytest.mark.parametrize("max_splits", [1, 64])  # one split (direct store) / several splits (partials)
-@pytest.mark.parametrize("m,fp8_step", [(1, 32), (7, 128), (33, 64)])  # FP8: 1, 4 or 2 scale blocks per step
+@pytest.mark.parametrize("m,fp8_step", [(1, 32), (7, 128), (33, 64)])  # FP8: splits of 1, 4 or 2 scale blocks
 def test_decode_form_matches_reference(max_splits, m, fp8_step, monkeypatch):
     """The split-K decode form (M <= 64) of every bf16-operand product against its reference twin."""
     from model.kernels import tile_configs, triton_decode_mm

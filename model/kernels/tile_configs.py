@@ -72,7 +72,7 @@ class DecodeConfig:
     """A config of ``triton_decode_mm`` (the token tile is M rounded up to a power of two, >= 16)."""
 
     block_w: int  # weight rows (output features) per program: the tensor cores' 64-row side
-    block_k: int  # K columns per step
+    block_k: int  # K columns per step (``fp8_decode_mm``: the unit its splits are whole multiples of)
     num_warps: int
     num_stages: int
     programs_per_sm: int  # split K until there are this many programs per SM (or no more K steps)

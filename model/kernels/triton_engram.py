@@ -13,9 +13,11 @@ stream, the key, their squares, the products): ~4 ms per Engram layer in an 8K-t
 15 launches per layer in a decode step. Here one program owns one (token, copy) row: a first pass
 over the row in ``BLOCK`` chunks keeps the three sums as ``BLOCK``-wide fp32 vectors and adds
 their lanes once at the end (a fixed order: a row's result depends only on the row, so it is batch
-invariant and the same on every run); a second pass writes the output. Against the twin only the
-order of the three fp32 sums differs: a relative difference of a few fp32 ulps in ``dot``, which
-moves an output by at most one bf16 ulp, and rarely.
+invariant and the same on every run); a second pass writes the output. Against the twin the order
+of the three fp32 sums differs, and ``exp``/``rsqrt`` may come from another library: the gate moves
+by a few fp32 ulps (more where ``dot`` is near zero), which moves an output by one bf16 ulp at times
+and, where ``h`` and ``gate * v`` nearly cancel, by up to ~2e-6 |v| (``tests/test_triton_engram.py``
+states the bound).
 
 Layouts: ``stream [T, hc, D]`` bf16 contiguous; ``key [T, hc * D]`` and ``value [T, D]`` bf16 with
 their own row strides (in the model the two column ranges of one ``kv``); ``weight [hc, D]`` fp32.
