@@ -1,7 +1,7 @@
 """Triton kernels at the real DeepSeek-V4.1-Flash shapes on CUDA (skipped without a GPU).
 
 Same checks and tolerance as ``test_triton_kernels.py`` (see its docstring), at M = 1, 7, 64, 300
-and the K/N of the real layers, in both modes of the backend: the default (the split-K decode form
+(the experts also at 4,500 tokens, where they take their prefill tiles) and the K/N of the real layers, in both modes of the backend: the default (the split-K decode form
 at M <= 64) and the batch-invariant mode, where a row computed alone, in a decode-sized batch and
 in a prefill-sized batch (which take different tile configs) is bit-identical.
 """
@@ -96,7 +96,7 @@ def test_head_logits_real_shape(kernels):
 
 
 @pytest.mark.parametrize("fragments", [False, True], ids=["rows", "fragments"])
-@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300, 4500])  # 4500: 70 pairs per expert, the prefill tiles
 def test_fp4_moe_real_shapes(kernels, tokens, fragments):
     triton_k, reference, _ = kernels
     gen = torch.Generator(device="cuda").manual_seed(tokens)

@@ -33,18 +33,25 @@ _SCALED_MM_TABLE: tuple[tuple[int, TileConfig], ...] = (  # FP4 linears
 
 _MOE_TABLE: tuple[tuple[float, TileConfig], ...] = (  # bound: mean pairs per expert
     # 16 tokens x 64-128 weight rows: the best of the sweep on one H200 (configs within 3% of each
-    # other, and bit-identical outputs); prefill: tensor-core tiles
+    # other, and bit-identical outputs); prefill: tensor-core tiles, 128 tokens per block once the
+    # experts get that many on average (an 8K-token prefill: 10.3 instead of 11.0 ms per layer with 64)
     (0.05, TileConfig(16, 64, 4, 4)),
     (16, TileConfig(16, 128, 4, 3)),
-    (1 << 62, TileConfig(64, 128, 8, 3)),
+    (64, TileConfig(64, 128, 8, 3)),
+    (1 << 62, TileConfig(128, 128, 8, 3)),
 )
 
 # the bf16-operand kernel (FP8 linears, wo_a, head) keeps the token side on the 64-row side
-# (block_m >= 64 tokens, 4 warps per 64)
-_BF16_MM_TABLE: tuple[tuple[int, TileConfig], ...] = (
-    (64, TileConfig(64, 32, 4, 4)),  # decode: narrow tiles along N so enough programs stream the weight
-    (256, TileConfig(64, 64, 4, 4)),
-    (1 << 62, TileConfig(128, 128, 8, 3)),
+# (block_m >= 64 tokens, 4 warps per 64). Rows: (largest M, smallest weight in elements, config), the
+# first row whose bounds hold is used. In prefill the weights of 16M elements and more (wq_b, wo_a,
+# wo_b) take 256-token tiles: half the passes over a weight that does not stay in L2 (an 8K-token
+# prefill: 4.60 instead of 4.92 ms per layer for those three on one H200, docs/benchmarks.md)
+LARGE_WEIGHT = 1 << 24
+_BF16_MM_TABLE: tuple[tuple[int, int, TileConfig], ...] = (
+    (64, 0, TileConfig(64, 32, 4, 4)),  # decode: narrow tiles along N so enough programs stream the weight
+    (256, 0, TileConfig(64, 64, 4, 4)),
+    (1 << 62, LARGE_WEIGHT, TileConfig(256, 128, 8, 4)),
+    (1 << 62, 0, TileConfig(128, 128, 8, 3)),
 )
 
 
@@ -63,8 +70,11 @@ def moe_config(pairs_per_expert: float) -> TileConfig:
     return _pick(_MOE_TABLE, pairs_per_expert)
 
 
-def bf16_mm_config(m: int) -> TileConfig:
-    return _pick(_BF16_MM_TABLE, m)
+def bf16_mm_config(m: int, weight_elements: int) -> TileConfig:
+    for bound, smallest_weight, cfg in _BF16_MM_TABLE:
+        if m <= bound and weight_elements >= smallest_weight:
+            return cfg
+    raise AssertionError("unreachable: the last row takes every size")
 
 
 @dataclass(frozen=True)
