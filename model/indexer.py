@@ -181,8 +181,11 @@ class Indexer:
             # every query its own product against its sequence's keys, a slice of queries at a time:
             # the reference backend's per-query keys and per-head scores of a long prefill chunk
             # would not fit at once (8K queries x 8K keys x 128 dims is 16 GiB), nor would the
-            # float scores of the top-k; rows are independent, so slicing changes no bit
-            step = max(1, SCORE_ELEMENTS // (width * max(q.shape[1], q.shape[2])))
+            # float scores of the top-k; the Triton backend makes only rows of scores, so an 8K chunk
+            # takes one slice instead of ~16, each a few launches the host would have to keep up with.
+            # Rows are independent, so slicing changes no bit
+            per_row = self.kernels.index_score_row_elements(q.shape[1], q.shape[2], width)
+            step = max(1, SCORE_ELEMENTS // per_row)
             for start in range(0, t, step):
                 rows = slice(start, min(start + step, t))
                 scores = self.kernels.index_scores(q[rows], weights[rows], keys, layout.seq[rows])

@@ -137,6 +137,12 @@ class KernelBackend(ABC):
         (the dot product, the weighted value, the sum over heads)."""
 
     @abstractmethod
+    def index_score_row_elements(self, heads: int, dim: int, entries: int) -> int:
+        """Elements of the largest temporary that ``index_scores`` (and the selection after it) makes per
+        query against ``entries`` keys: the indexer scores a long prefill a slice of queries at a time,
+        sized by it (``model.indexer.SCORE_ELEMENTS``)."""
+
+    @abstractmethod
     def top_entries(self, scores: torch.Tensor, k_per_row: torch.Tensor, k_max: int) -> torch.Tensor:
         """The indexer's top-k: per row of ``scores [S, E]``, the ``k_per_row [S]`` highest (ties: the
         lower entry) as entry ids in increasing order in the first columns of ``[S, k_max]`` int64, the

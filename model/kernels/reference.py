@@ -110,6 +110,9 @@ class ReferenceKernels(KernelBackend):
         per_head = torch.bmm(q, keys[seq].transpose(1, 2))  # every query its own product, as the reference
         return (per_head.relu_() * weights.unsqueeze(-1)).sum(dim=1)
 
+    def index_score_row_elements(self, heads: int, dim: int, entries: int) -> int:
+        return entries * max(heads, dim)  # the query's copy of the keys [E, d], its per-head scores [H, E]
+
     def top_entries(self, scores: torch.Tensor, k_per_row: torch.Tensor, k_max: int) -> torch.Tensor:
         return top_entries(scores, k_per_row, k_max)
 

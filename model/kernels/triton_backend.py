@@ -131,6 +131,9 @@ class TritonKernels(KernelBackend):
                      seq: torch.Tensor) -> torch.Tensor:
         return index_scores(q, weights, keys, seq)
 
+    def index_score_row_elements(self, heads: int, dim: int, entries: int) -> int:
+        return entries  # one row of scores (the kernel streams the keys), then [S, E] masks of it
+
     def top_entries(self, scores: torch.Tensor, k_per_row: torch.Tensor, k_max: int) -> torch.Tensor:
         if scores.dtype != torch.bfloat16:  # the indexer's scores are bf16; anything else takes the sorts
             return self._plain.top_entries(scores, k_per_row, k_max)
