@@ -62,7 +62,7 @@ def run_tune(bench, ms: list[int]) -> None:
             nbytes, flops = linear_bytes(spec, m, ws[0])
             limit_s = limit_of(nbytes, flops, bench.ceil)[2]
             if m > bench.tk_decode_max:
-                table, cfgs, default = "bf16", prefill_cfgs, tables.bf16_mm_config(m, ws[0].values.numel())
+                table, cfgs, default = "bf16", prefill_cfgs, tables.bf16_mm_config(m)
             elif spec.groups > 1:
                 table, cfgs, default = "decode", decode_cfgs, tables.decode_mm_config(m)
             else:
@@ -126,7 +126,7 @@ def override_tables(moe=None, decode=None, fp8_decode=None, bf16=None):
     try:
         for key, cfg in chosen.items():
             if cfg is not None:
-                setattr(tables, names[key], ((1 << 62, 0, cfg),) if key == "bf16" else ((1 << 62, cfg),))
+                setattr(tables, names[key], ((1 << 62, cfg),))
         yield
     finally:
         for attr, table in saved.items():

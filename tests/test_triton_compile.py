@@ -94,7 +94,7 @@ def main() -> int:
         check(f"act_quant round_trip={round_trip}", triton_scaled_mm._act_quant_kernel, types,
               {"BLOCK_ROWS": 4, "BLOCK_COLS": 512, "ROUND_TRIP": round_trip}, wgmma=False)
 
-    for *_, cfg in tile_configs._BF16_MM_TABLE:
+    for _, cfg in tile_configs._BF16_MM_TABLE:
         for b_fmt, out_f32 in ((0, False), (2, True)):  # FP8 linears and wo_a; the bf16 head
             types = {"a_ptr": "*bf16", "w_ptr": "*u8" if b_fmt == 0 else "*bf16",
                      "s_ptr": "*u8" if b_fmt == 0 else "*bf16", "c_ptr": "*fp32" if out_f32 else "*bf16",

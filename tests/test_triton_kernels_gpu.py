@@ -1,7 +1,7 @@
 """Triton kernels at the real DeepSeek-V4.1-Flash shapes on CUDA (skipped without a GPU).
 
 Same checks and tolerance as ``test_triton_kernels.py`` (see its docstring), at M = 1, 7, 64, 300
-(the experts also at 4,500 tokens, where they take their prefill tiles) and the K/N of the real layers, in both modes of the backend: the default (the split-K decode form
+and the K/N of the real layers, in both modes of the backend: the default (the split-K decode form
 at M <= 64) and the batch-invariant mode, where a row computed alone, in a decode-sized batch and
 in a prefill-sized batch (which take different tile configs) is bit-identical.
 """
@@ -96,7 +96,7 @@ def test_head_logits_real_shape(kernels):
 
 
 @pytest.mark.parametrize("fragments", [False, True], ids=["rows", "fragments"])
-@pytest.mark.parametrize("tokens", [1, 7, 64, 300, 4500])  # 4500: 70 pairs per expert, the prefill tiles
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
 def test_fp4_moe_real_shapes(kernels, tokens, fragments):
     triton_k, reference, _ = kernels
     gen = torch.Generator(device="cuda").manual_seed(tokens)
@@ -113,3 +113,30 @@ def test_fp4_moe_real_shapes(kernels, tokens, fragments):
     assert_experts_close_to_reference(got, reference.expert_outputs(x, pair_token, ids, weights, experts))
     one = triton_k.expert_outputs(x[:1], pair_token[:TOP_K], ids[:TOP_K], weights[:TOP_K], experts)
     assert torch.equal(one, got[:TOP_K]), "a token's expert outputs depend on its batch"
+
+
+@pytest.mark.parametrize("fragments", [False, True], ids=["rows", "fragments"])
+def test_fp4_moe_prefill_tiles_equal_decode_tiles(kernels, fragments):
+    """At 4,500 tokens (70 pairs per expert) the experts take their prefill tiles (128 tokens per
+    block); every token's outputs must equal, bit for bit, those of 300-token batches (16-token blocks,
+    the size checked against the reference above). The reference comparison itself is not made at
+    this size: on one H200 it exceeded its bound (max excess 0.0029 at a difference of 0.0078), which
+    allows one flipped FP8 rounding of a hidden value per row, while 27,000 pair rows of 2,304 hidden
+    values make rows with several flips likely; bit equality with the small batches is exact."""
+    triton_k, _, _ = kernels
+    tokens, chunk = 4500, 300
+    gen = torch.Generator(device="cuda").manual_seed(4500)
+    experts = ExpertWeights(fp4_stack(EXPERTS, INTER, D, gen), fp4_stack(EXPERTS, INTER, D, gen),
+                            fp4_stack(EXPERTS, D, INTER, gen), first_expert=0, swiglu_limit=10.0)
+    if fragments:
+        experts = triton_k.prepare_experts(experts)
+    x = torch.randn(tokens, D, device="cuda", generator=gen).bfloat16()
+    ids = torch.rand(tokens, EXPERTS, device="cuda", generator=gen).topk(TOP_K, dim=-1).indices.reshape(-1)
+    pair_token = torch.arange(tokens * TOP_K, device="cuda") // TOP_K
+    weights = torch.rand(tokens * TOP_K, device="cuda", generator=gen)
+    got = triton_k.expert_outputs(x, pair_token, ids, weights, experts)
+    for start in range(0, tokens, chunk):
+        pairs = slice(start * TOP_K, (start + chunk) * TOP_K)
+        part = triton_k.expert_outputs(x[start:start + chunk], pair_token[pairs] - start,
+                                       ids[pairs], weights[pairs], experts)
+        assert torch.equal(part, got[pairs]), f"tokens {start}..{start + chunk}"

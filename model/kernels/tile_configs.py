@@ -42,16 +42,12 @@ _MOE_TABLE: tuple[tuple[float, TileConfig], ...] = (  # bound: mean pairs per ex
 )
 
 # the bf16-operand kernel (FP8 linears, wo_a, head) keeps the token side on the 64-row side
-# (block_m >= 64 tokens, 4 warps per 64). Rows: (largest M, smallest weight in elements, config), the
-# first row whose bounds hold is used. In prefill the weights of 16M elements and more (wq_b, wo_a,
-# wo_b) take 256-token tiles: half the passes over a weight that does not stay in L2 (an 8K-token
-# prefill: 4.60 instead of 4.92 ms per layer for those three on one H200, docs/benchmarks.md)
-LARGE_WEIGHT = 1 << 24
-_BF16_MM_TABLE: tuple[tuple[int, int, TileConfig], ...] = (
-    (64, 0, TileConfig(64, 32, 4, 4)),  # decode: narrow tiles along N so enough programs stream the weight
-    (256, 0, TileConfig(64, 64, 4, 4)),
-    (1 << 62, LARGE_WEIGHT, TileConfig(256, 128, 8, 4)),
-    (1 << 62, 0, TileConfig(128, 128, 8, 3)),
+# (block_m >= 64 tokens, 4 warps per 64). 256-token prefill tiles for the largest weights (wq_b, wo_a,
+# wo_b) measured 6% faster alone, but the whole 8K-token prefill ~1 ms slower (on one H200): not kept
+_BF16_MM_TABLE: tuple[tuple[int, TileConfig], ...] = (
+    (64, TileConfig(64, 32, 4, 4)),  # decode: narrow tiles along N so enough programs stream the weight
+    (256, TileConfig(64, 64, 4, 4)),
+    (1 << 62, TileConfig(128, 128, 8, 3)),
 )
 
 
@@ -70,11 +66,8 @@ def moe_config(pairs_per_expert: float) -> TileConfig:
     return _pick(_MOE_TABLE, pairs_per_expert)
 
 
-def bf16_mm_config(m: int, weight_elements: int) -> TileConfig:
-    for bound, smallest_weight, cfg in _BF16_MM_TABLE:
-        if m <= bound and weight_elements >= smallest_weight:
-            return cfg
-    raise AssertionError("unreachable: the last row takes every size")
+def bf16_mm_config(m: int) -> TileConfig:
+    return _pick(_BF16_MM_TABLE, m)
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,7 @@ def bf16_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None, 
         return c
     if a.stride(1) != 1:
         a = a.contiguous()
-    cfg = bf16_mm_config(m, values.numel())
+    cfg = bf16_mm_config(m)
     if fmt is WeightFormat.BF16:
         w, s, scale_rows_per_group = values, values, 0
     else:
