@@ -62,8 +62,8 @@ one-wave cap; ``wo_a``: 64-128 weight rows x 128-256 K columns per step, 3-4 sta
 compared with the default config's within the tolerance, since another split sums in another
 order), of their prefill form (M > 64: 64-256 tokens x 64-256 weight rows, 4 or 8 warps, 3-4
 stages within shared memory; outputs compared bit for bit: every config sums K in the same steps)
-and the experts' configs (M <= 256: 16-32 tokens x 64-128 weight rows, 2-4
-stages; above: 64-128 tokens x 128-256 weight rows, 2-3 stages; 4 or 8 warps; outputs compared bit
+and the experts' configs (M <= 256: 16-32 tokens x 64-128 weight rows, 4 or 8 warps, 2-4
+stages; above: 64-128 tokens x 128 weight rows, 8 warps, 2-4 stages; outputs compared bit
 for bit: the experts' kernels are batch invariant), by
 overriding ``model.kernels.tile_configs`` tables for the duration of each measurement, and prints
 the best config per (kernel, M) and the best single config per M (``benchmarks/kernel_tune.py``).

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine_core.config import EngineConfig
@@ -250,16 +251,18 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ helpers
     def _forward_batch(self, seqs: list[SequenceStep]) -> ForwardBatch:
-        flat, positions, refs, ref_rows = [], [], [], []
+        # numpy on the host: an 8K-token prefill builds these before the device has any work
+        flat, refs, ref_rows = [], [], []
         width = max((len(step.block_table) for step in seqs), default=1)
-        tables = torch.zeros(len(seqs), width, dtype=torch.long)
+        tables = np.zeros((len(seqs), width), dtype=np.int64)
         for i, step in enumerate(seqs):
             if step.prev_row >= 0:
                 refs.append(len(flat))
                 ref_rows.append(step.prev_row)
             flat.extend(step.token_ids)
-            positions.extend(range(step.start, step.start + len(step.token_ids)))
-            tables[i, : len(step.block_table)] = torch.tensor(step.block_table, dtype=torch.long)
+            tables[i, : len(step.block_table)] = step.block_table
+        positions = np.concatenate([np.arange(step.start, step.start + len(step.token_ids)) for step in seqs]
+                                   or [np.zeros(0, dtype=np.int64)])
         tables = upload(tables, torch.long, self.device)  # one host-to-device copy for every block table
         chunks = [SequenceChunk(step.start, len(step.token_ids), step.slot, tables[i, : len(step.block_table)],
                                 step.previous_start) for i, step in enumerate(seqs)]
