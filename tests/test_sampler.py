@@ -6,6 +6,7 @@ import math
 import random
 
 import pytest
+import numpy as np
 import torch
 
 from workers import sampler as sampler_mod
@@ -220,6 +221,10 @@ def test_hash_matches_plain_python_twin():
         torch.tensor([w[0] for w in words]), torch.tensor([w[1] for w in words]), torch.tensor([p for _, p in pairs])
     )
     assert keys.tolist() == [noise.row_key_int(s, p) for s, p in pairs]
+    # the sampling batch computes its keys on numpy arrays: the same values
+    as_numpy = noise.row_keys(np.array([w[0] for w in words]), np.array([w[1] for w in words]),
+                              np.array([p for _, p in pairs]))
+    assert as_numpy.tolist() == keys.tolist()
 
 
 def test_uniform_is_open_interval_and_uniform():

@@ -261,8 +261,10 @@ class ModelRunner:
                 ref_rows.append(step.prev_row)
             flat.extend(step.token_ids)
             tables[i, : len(step.block_table)] = step.block_table
-        positions = np.concatenate([np.arange(step.start, step.start + len(step.token_ids)) for step in seqs]
-                                   or [np.zeros(0, dtype=np.int64)])
+        # each token's position: its chunk's start plus its index within the chunk, in a few array ops
+        lengths = np.array([len(step.token_ids) for step in seqs], dtype=np.int64)
+        chunk_starts = np.array([step.start for step in seqs], dtype=np.int64)
+        positions = np.arange(len(flat)) + np.repeat(chunk_starts - (np.cumsum(lengths) - lengths), lengths)
         tables = upload(tables, torch.long, self.device)  # one host-to-device copy for every block table
         chunks = [SequenceChunk(step.start, len(step.token_ids), step.slot, tables[i, : len(step.block_table)],
                                 step.previous_start) for i, step in enumerate(seqs)]

@@ -70,7 +70,8 @@ def split_seed(seed: int) -> tuple[int, int]:
 
 
 def row_keys(seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One 32-bit key per row from its seed words and absolute position ([R] int64 each).
+    """One 32-bit key per row from its seed words and absolute position ([R] int64 each: tensors, or
+    numpy arrays, on which the same operators give the same values).
 
     For a fixed seed the map position -> key is a bijection (a chain of bijections), so
     two positions of one sequence never share a noise vector.
