@@ -161,3 +161,18 @@ def test_every_rank_picks_the_same_graph_from_the_whole_plan(tiny_model):
     assert graphs.bucket(StepShape.of([busy, [prefill]])) is None
     assert graphs.bucket(StepShape.of([[decode(i, 1) for i in range(9)]])) is None  # beyond the largest size
     assert graphs.bucket(StepShape.of([[decode(1, 128)]])) is None  # beyond the longest context
+
+
+def test_load_fills_the_static_inputs(tiny_model):
+    """``load`` writes each real row's token, position, slot, previous-step row and block table (the
+    unused columns block 0), and the padding row below them, in the bucket's rows."""
+    cache = V41Cache.allocate(tiny_model.cfg, 4, 2, BLOCK)
+    graphs = DecodeGraphs(tiny_model, cache, GraphPlan([1, 2, 4, 8], [64, 128], 8, 8), scratch_slot=1, scratch_block=3)
+    graphs.inputs.fill_(99)
+    graphs.load([5, 6, 7], [10, 70, 3], [0, 2, 1], [-1, 0, 1], [[1], [1, 2, 3, 4, 5], []], (4, 128),
+                torch.tensor([41, 42]))
+    padding = [0, 0, 1, -1] + [3] * 8
+    assert graphs.inputs[:4].tolist() == [[5, 10, 0, -1, 1] + [0] * 7, [6, 70, 2, 0, 1, 2, 3, 4, 5, 0, 0, 0],
+                                          [7, 3, 1, 1] + [0] * 8, padding]
+    assert graphs.inputs[4:].eq(99).all()  # rows beyond the bucket untouched
+    assert graphs.prev_tokens[:2].tolist() == [41, 42]

@@ -39,6 +39,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine_core.config import EngineConfig
@@ -209,16 +210,17 @@ class DecodeGraphs:
     def load(self, tokens: list[int], positions: list[int], slots: list[int], previous_rows: list[int],
              block_tables: list[list[int]], bucket: tuple[int, int], last_sampled: torch.Tensor) -> None:
         """Fill the static inputs for a step (one host-to-device copy; no synchronisation)."""
-        rows, width = bucket[0], self.plan.table_width
-        flat: list[int] = []
-        for i, table in enumerate(block_tables):
-            flat += [tokens[i], positions[i], slots[i], previous_rows[i]]
-            flat += table
-            flat += [0] * (width - len(table))  # unused table entries point at the padding block 0
-        flat += self._padding_row * (rows - len(tokens))
+        rows, n = bucket[0], len(tokens)
+        # built in a numpy array: a Python list through torch.tensor took ~20x longer at 64-256 rows
+        # (0.43 / 1.8 ms against 25 / 83 us on a 2-core CPU), host time that every decode step pays
+        host = np.zeros((rows, INPUT_COLUMNS + self.plan.table_width), dtype=np.int64)
+        host[:n, 0], host[:n, 1], host[:n, 2], host[:n, 3] = tokens, positions, slots, previous_rows
+        for i, table in enumerate(block_tables):  # unused table entries point at the padding block 0
+            host[i, INPUT_COLUMNS:INPUT_COLUMNS + len(table)] = table
+        host[n:] = self._padding_row
         # a fresh pinned tensor from torch's caching host allocator: it is not handed out again
         # before this asynchronous copy has run, even when the host is a step ahead of the device
-        host = torch.tensor(flat, dtype=torch.long).view(rows, -1)
+        host = torch.from_numpy(host)
         if self.inputs.is_cuda:
             host = host.pin_memory()
         self.inputs[:rows].copy_(host, non_blocking=True)
