@@ -12,6 +12,7 @@ output (``wo_a`` per group in bf16, then ``wo_b``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -34,6 +35,15 @@ class ForwardState:
     selections: dict[int, TokenSelection] = field(default_factory=dict)  # index source -> per-token selection
     candidates: torch.Tensor | None = None  # [T, E] published by the candidate source
     index_key_layer: dict[int, list[int]] = field(default_factory=dict)  # index source -> key layer per seq
+    # what several layers of the forward compute alike, computed by the first that needs it: every
+    # layer's window lists are the same, and so are the compressed parts of layers that share their KV
+    # and selection sources (a decode step's CUDA graph then records ~30 fewer small kernels per layer)
+    shared: dict[tuple, Any] = field(default_factory=dict)
+
+    def once(self, key: tuple, compute: Callable[[], Any]) -> Any:
+        if key not in self.shared:
+            self.shared[key] = compute()
+        return self.shared[key]
 
 
 @dataclass
@@ -101,7 +111,7 @@ class Attention:
         else:
             o = torch.zeros_like(q)
         self.kernels.rotate_(o[..., -rd:], pos, self.rope, inverse=True)
-        self._write_window(kv, batch, cache)
+        self._write_window(kv, batch, cache, state)
         return w.wo_b(self._grouped_output(o))
 
     # ------------------------------------------------------------------ compressed entries
@@ -121,23 +131,36 @@ class Attention:
         each query's list as indices into it. Queries of one prefill chunk share most of their rows:
         copying them per query would move thousands of times the bytes."""
         layout, win = batch.layout, self.cfg.sliding_window
+        ring_rows = state.once(("window ring rows",), lambda: cache.window_rows(
+            layout.seq_slot.unsqueeze(-1), torch.arange(win, device=kv.device)))
+        ring = cache.read_window_rows(self.role.layer_id, ring_rows)  # [B, window, D]
+        window, window_index = state.once(("window lists",), lambda: self._window_index(batch, kv.shape[0]))
+        if not self.role.compress_ratio:
+            return torch.cat([kv, ring.flatten(0, 1)]), window_index, window.valid, window.widths
+        # the compressed part: the source layer wrote its entries before the first of its readers
+        # gets here, and nothing writes them again within the forward
+        key = ("compressed lists", self.role.kv_source, self.role.topk_source)
+        rows, index, valid, widths = state.once(key, lambda: self._compressed_lists(
+            batch, cache, state.selections[self.role.topk_source], window, window_index, kv.shape[0] + ring.shape[0] * win))
+        return torch.cat([kv, ring.flatten(0, 1), rows]), index, valid, widths
+
+    def _window_index(self, batch: ForwardBatch, tokens: int):
+        """(window lists, where the pool holds each listed position): the chunk's own rows first, then
+        the ring of each sequence (``window`` rows, ring row = position % window)."""
+        layout, win = batch.layout, self.cfg.sliding_window
         window = window_list(batch.positions, layout, win, self.reference_layout)
-        tokens = kv.shape[0]
         start, offset = layout.start.unsqueeze(-1), layout.offset.unsqueeze(-1)
         last = (layout.end - layout.start - 1).unsqueeze(-1)
         from_chunk = offset + (window.positions - start).clamp(min=0).minimum(last)
-        ring = cache.read_window(self.role.layer_id, layout.seq_slot.unsqueeze(-1),
-                                 torch.arange(win, device=kv.device))  # [B, window, D]
         from_ring = tokens + layout.seq.unsqueeze(-1) * win + window.positions.clamp(min=0) % win
-        window_index = torch.where(window.positions >= start, from_chunk, from_ring)
-        parts = [kv, ring.flatten(0, 1)]
-        selection = compressed_index = None
-        if self.role.compress_ratio:
-            selection = state.selections[self.role.topk_source]
-            rows, compressed_index = self._compressed_entries(batch, cache, selection, tokens + ring.shape[0] * win)
-            parts.append(rows)
+        return window, torch.where(window.positions >= start, from_chunk, from_ring)
+
+    def _compressed_lists(self, batch: ForwardBatch, cache: V41Cache, selection: TokenSelection, window,
+                          window_index: torch.Tensor, first_row: int):
+        """(the selected compressed rows, and the joined lists: index, valid, widths)."""
+        rows, compressed_index = self._compressed_entries(batch, cache, selection, first_row)
         index, valid, widths = join_lists(window, window_index, selection, compressed_index, self.reference_layout)
-        return torch.cat(parts), index, valid, widths
+        return rows, index, valid, widths
 
     def _compressed_entries(self, batch: ForwardBatch, cache: V41Cache, selection, first_row: int):
         """(rows [R, D], index [T, K] of each selected entry, counting from ``first_row``): each
@@ -160,14 +183,20 @@ class Attention:
         index = first_row + torch.arange(tokens * k, device=selection.entries.device).view(tokens, k)
         return cache.read_compressed_kv(source, blocks, rows).flatten(0, 1), index
 
-    def _write_window(self, kv: torch.Tensor, batch: ForwardBatch, cache: V41Cache) -> None:
+    def _write_window(self, kv: torch.Tensor, batch: ForwardBatch, cache: V41Cache, state: ForwardState) -> None:
         """Keep the last ``window`` positions of every chunk in its sequence's ring (row = pos % W)."""
         win, layout, pos = self.cfg.sliding_window, batch.layout, batch.positions
         if batch.padded:  # one token per row: every row is its sequence's newest position
-            cache.write_window(self.role.layer_id, layout.slot, pos % win, kv)
+            rows = state.once(("window write rows",), lambda: cache.window_rows(layout.slot, pos % win))
+            cache.write_window_rows(self.role.layer_id, rows, kv)
             return
-        keep = batch.rows_from(lambda chunk: chunk.end - win)
-        cache.write_window(self.role.layer_id, layout.slot[keep], pos[keep] % win, kv[keep])
+        keep, rows = state.once(("window write rows",), lambda: self._kept_rows(batch, cache))
+        cache.write_window_rows(self.role.layer_id, rows, kv[keep])
+
+    def _kept_rows(self, batch: ForwardBatch, cache: V41Cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the tokens among a chunk's last ``window``, and their rows in the window stores)."""
+        keep = batch.rows_from(lambda chunk: chunk.end - self.cfg.sliding_window)
+        return keep, cache.window_rows(batch.layout.slot[keep], batch.positions[keep] % self.cfg.sliding_window)
 
     def _grouped_output(self, o: torch.Tensor) -> torch.Tensor:
         """[T, H, D] -> [T, groups * o_lora_rank]: each group of heads through its own slice of wo_a."""

@@ -127,6 +127,17 @@ class V41Cache:
     def write_window(self, layer: int, slots: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
         self.window[layer].write(slots, rows, values=values)
 
+    def window_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The (slot, ring row) pairs as row numbers that every layer's window store shares (they are
+        all of one shape): a forward computes them once for ``read_window_rows`` / ``write_window_rows``."""
+        return self.window[0].flat_rows(slots, rows)
+
+    def read_window_rows(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        return self.window[layer].read_rows(rows)
+
+    def write_window_rows(self, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+        self.window[layer].write_rows(rows, values)
+
     def read_compressed_kv(self, layer: int, blocks: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Compressed KV entries ``[..., head_dim]`` bf16 at (block, row) pairs."""
         return self.compressed_kv[layer].read(blocks, rows)

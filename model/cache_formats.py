@@ -176,22 +176,35 @@ class QuantizedRows:
         """bf16 rows at ``data[index]`` (advanced indexing over the leading dims)."""
         if not self.fused:
             return self.codec.decode(self.data[index])
-        from .kernels.triton_cache_codec import read_rows
-
-        rows = self._flat_rows(index)
-        width = self.codec.width
-        return read_rows(self.data, rows.reshape(-1), self.codec.fmt, width).view(*rows.shape, width)
+        return self.read_rows(self.flat_rows(*index))
 
     def write(self, *index: torch.Tensor, values: torch.Tensor) -> None:
         if not self.fused:
             self.data[index] = self.codec.encode(values)
             return
+        self.write_rows(self.flat_rows(*index), values)
+
+    def read_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """bf16 rows ``[*rows.shape, width]`` at row numbers ``rows`` of ``data`` seen as ``[N, row_bytes]``
+        (``flat_rows``: numbers that stores of one shape share, computed once for all of them)."""
+        width = self.codec.width
+        if not self.fused:
+            return self.codec.decode(self.data.view(-1, self.codec.row_bytes)[rows])
+        from .kernels.triton_cache_codec import read_rows
+
+        return read_rows(self.data, rows.reshape(-1), self.codec.fmt, width).view(*rows.shape, width)
+
+    def write_rows(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``values [*rows.shape, width]`` (``rows`` broadcast to their leading shape) at row numbers ``rows``."""
+        rows = rows.expand(values.shape[:-1])
+        if not self.fused:
+            self.data.view(-1, self.codec.row_bytes)[rows] = self.codec.encode(values)
+            return
         from .kernels.triton_cache_codec import write_rows
 
-        rows = self._flat_rows(index).expand(values.shape[:-1])
         write_rows(self.data, rows.reshape(-1), values.reshape(-1, values.shape[-1]), self.codec.fmt)
 
-    def _flat_rows(self, index: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def flat_rows(self, *index: torch.Tensor) -> torch.Tensor:
         """The numbers of the rows ``data[index]`` selects in ``data`` seen as ``[N, row_bytes]``
         (shaped as the broadcast index, as advanced indexing would)."""
         flat = None

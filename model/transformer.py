@@ -112,6 +112,7 @@ class V41Model:
         pre_mix = identity_pre_mix(batch.num_tokens, cfg.hc_mult, stream.device)
         state = state if state is not None else ForwardState()
         state.index_key_layer = self._index_key_layers(batch)
+        state.shared = {}  # a state passed in again must not hand this forward the last one's lists
         for block in self.blocks:
             if block.engram is not None:
                 column = cfg.engram_layer_ids.index(block.layer_id)
