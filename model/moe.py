@@ -17,13 +17,13 @@ NCCL, on a background thread on gloo); its output is still added last.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from .kernels import ExpertWeights, KernelBackend
 from .layers import Linear
+from .routing import RoutingRule
 
 
 @dataclass
@@ -55,6 +55,10 @@ class Router:
     route_scale: float
     temperature: float
     kernels: KernelBackend
+    rule: RoutingRule = field(init=False)
+
+    def __post_init__(self):
+        self.rule = RoutingRule(self.top_k, self.score_func, self.norm_topk_prob, self.route_scale, self.temperature)
 
     def to(self, device) -> "Router":
         self.weight, self.bias = self.weight.to(device), self.bias.to(device)
@@ -62,19 +66,8 @@ class Router:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (weights [N, k] fp32, expert ids [N, k]) in descending biased-score order."""
-        scores = self.kernels.fp32_linear(x, self.weight) / self.temperature  # fp32, as the reference
-        if self.score_func == "softmax":
-            scores = scores.softmax(dim=-1)
-        elif self.score_func == "sigmoid":
-            scores = scores.sigmoid()
-        else:
-            scores = F.softplus(scores).sqrt()
-        indices = (scores + self.bias).topk(self.top_k, dim=-1)[1]
-        weights = scores.gather(1, indices)
-        if self.norm_topk_prob and self.top_k > 1:
-            weights /= weights.sum(dim=-1, keepdim=True) + 1e-20  # not the norm eps: as in training
-        weights *= self.route_scale
-        return weights, indices
+        logits = self.kernels.fp32_linear(x, self.weight)  # fp32, as the reference
+        return self.kernels.route(logits, self.bias, self.rule)
 
 
 class MoE:

@@ -65,7 +65,7 @@ def main() -> int:
     from model.cache_formats import COMPRESSED_KV, INDEX_KEYS, WINDOW_KV
     from model.kernels import (tile_configs, triton_align_pairs, triton_bf16_mm, triton_cache_codec,
                                triton_decode_mm, triton_engram, triton_fp4_round_trip, triton_hc_coefficients, triton_index_scores,
-                               triton_mhc, triton_moe, triton_moe_sum, triton_ngram_hash, triton_rms_norm, triton_rope,
+                               triton_mhc, triton_moe, triton_moe_sum, triton_ngram_hash, triton_rms_norm, triton_rope, triton_route,
                                triton_scaled_mm, triton_sinkhorn, triton_sparse_attention, triton_top_entries)
 
     hopper = GPUTarget("cuda", 90, 32)
@@ -140,11 +140,14 @@ def main() -> int:
                    "BLOCK_K": cfg.block_k, "PARTIAL": partial, "OUT_F32": out_f32, "EXACT_DOT": False}, cfg)
     fp8_names = "M N K k_per_split stride_qm stride_qsm stride_wn stride_sn stride_os stride_om"
     for bound, cfg in tile_configs._FP8_DECODE_TABLE:
-        for block_t, partial in ((16, True), (bound, True), (bound, False)):  # the smallest and largest token tile
-            types = {"q_ptr": "*fp16", "qs_ptr": "*fp32", "w_ptr": "*u8", "s_ptr": "*u8",
-                     "out_ptr": "*fp32" if partial else "*bf16", **scalars(fp8_names)}
-            check(f"fp8_decode_mm tokens={block_t} partial={partial} {cfg}", triton_decode_mm._fp8_decode_mm_kernel,
-                  types, {"BLOCK_T": block_t, "BLOCK_W": cfg.block_w, "PARTIAL": partial, "EXACT_DOT": False}, cfg,
+        for block_t, partial in ((16, True), (16, False), (bound, True), (bound, False)):  # smallest and largest tile
+            quantize = block_t <= triton_decode_mm.QUANTIZE_IN_KERNEL_TOKENS
+            types = {"q_ptr": "*bf16" if quantize else "*fp16", "qs_ptr": "*bf16" if quantize else "*fp32",
+                     "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*fp32" if partial else "*bf16", **scalars(fp8_names)}
+            check(f"fp8_decode_mm tokens={block_t} partial={partial} quantize={quantize} {cfg}",
+                  triton_decode_mm._fp8_decode_mm_kernel, types,
+                  {"BLOCK_T": block_t, "BLOCK_W": cfg.block_w, "PARTIAL": partial, "QUANTIZE": quantize,
+                   "EXACT_DOT": False}, cfg,
                   aligned=("q_ptr", "qs_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "K", "k_per_split", "stride_qm",
                            "stride_wn", "stride_os", "stride_om"), spill_free=True)
     for out_f32 in (False, True):
@@ -249,6 +252,11 @@ def main() -> int:
           {"routed_ptr": "*bf16", "ids_ptr": "*i64", "shared_ptr": "*bf16", "out_ptr": "*bf16",
            **scalars("D stride_rt stride_rk stride_it stride_st stride_ot")},
           {"K": 6, "K_POW2": 8, "BLOCK": triton_moe_sum.BLOCK, "INTERPRETED": False},
+          options={"enable_fp_fusion": False}, wgmma=False)
+    check("route k=6 experts=384", triton_route._route_kernel,
+          {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
+           **scalars("E stride_l stride_w stride_i"), "temperature": "fp32", "route_scale": "fp32"},
+          {"K": 6, "K_POW2": 8, "BLOCK_E": 512, "NORMALIZE": True, "INTERPRETED": False},
           options={"enable_fp_fusion": False}, wgmma=False)
     return 0
 

@@ -8,7 +8,7 @@ compressor's pooling) are in it for the head's size (the largest single weight);
 and the indexer's scores for their intermediate (a per-query copy of the keys). A few elementwise
 chains are in it for their launch counts: each is many tiny torch kernels (mHC's coefficients ~7
 and a Sinkhorn split ~135 per call, an FP4 round trip ~28, mHC's collapse and expand 4 and 7, RMSNorm and RoPE 6, the
-MoE's SwiGLU 7 and expert sum ~12, Engram's n-gram hashing ~45 and its gated add ~15), which a decode step would otherwise
+MoE's routing ~11, SwiGLU 7 and expert sum ~12, Engram's n-gram hashing ~45 and its gated add ~15), which a decode step would otherwise
 spend its time launching.
 Other plain bf16 products (the compressor's and indexer's other weights) are not: both
 backends run them through torch (``model/gemm.py``).
@@ -25,6 +25,7 @@ from .weights import ExpertWeights, QuantizedWeight
 
 if TYPE_CHECKING:
     from ..rope import RotaryTable
+    from ..routing import RoutingRule
 
 
 class KernelBackend(ABC):
@@ -166,6 +167,11 @@ class KernelBackend(ABC):
         """Engram's gated add of the looked-up ``value [T, D]`` to each copy of ``stream [T, hc, D]``,
         gated by the normalised dot product of the copy with its ``key`` (``model.engram.engram_gate``;
         fp32 inside, bf16 out)."""
+
+    @abstractmethod
+    def route(self, logits: torch.Tensor, bias: torch.Tensor, rule: "RoutingRule") -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's rule on fp32 ``logits [N, E]`` with its ``bias [E]`` -> (weights ``[N, k]`` fp32,
+        expert ids ``[N, k]``) in descending biased-score order (``model.routing.route``)."""
 
     @abstractmethod
     def moe_sum(self, routed: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from ..indexer import top_entries
 from ..layers import rms_norm
 from ..quant import fp4_qdq, fp8_qdq
 from ..rope import RotaryTable
+from ..routing import RoutingRule, route
 from ..mhc import collapse, expand, mixes, split_sinkhorn
 from ..moe import combine_routed
 from ..sparse_attention import sparse_attention_padded
@@ -129,6 +130,9 @@ class ReferenceKernels(KernelBackend):
     def engram_gate(self, stream: torch.Tensor, key: torch.Tensor, value: torch.Tensor, weight: torch.Tensor,
                     eps: float, clamp_value: float) -> torch.Tensor:
         return engram_gate(stream, key, value, weight, eps, clamp_value)
+
+    def route(self, logits: torch.Tensor, bias: torch.Tensor, rule: RoutingRule) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(logits, bias, rule)
 
     def moe_sum(self, routed: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         y = combine_routed(routed, ids)

@@ -10,6 +10,8 @@ import torch
 
 from ..config import WeightFormat
 from ..rope import RotaryTable
+from ..routing import RoutingRule
+from . import triton_route
 from .backend import KernelBackend
 from .fp4_fragments import fragments_exact, fragments_fit
 from .reference import ReferenceKernels
@@ -145,6 +147,11 @@ class TritonKernels(KernelBackend):
     def engram_gate(self, stream: torch.Tensor, key: torch.Tensor, value: torch.Tensor, weight: torch.Tensor,
                     eps: float, clamp_value: float) -> torch.Tensor:
         return triton_engram_gate(stream, key, value, weight, eps, clamp_value)
+
+    def route(self, logits: torch.Tensor, bias: torch.Tensor, rule: RoutingRule) -> tuple[torch.Tensor, torch.Tensor]:
+        if not triton_route.fuses(rule) or logits.dtype != torch.float32:
+            return self._plain.route(logits, bias, rule)
+        return triton_route.route(logits, bias, rule)
 
     def moe_sum(self, routed: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         return moe_sum(routed, ids, shared)
