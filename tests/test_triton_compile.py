@@ -140,14 +140,11 @@ def main() -> int:
                    "BLOCK_K": cfg.block_k, "PARTIAL": partial, "OUT_F32": out_f32, "EXACT_DOT": False}, cfg)
     fp8_names = "M N K k_per_split stride_qm stride_qsm stride_wn stride_sn stride_os stride_om"
     for bound, cfg in tile_configs._FP8_DECODE_TABLE:
-        for block_t, partial in ((16, True), (16, False), (bound, True), (bound, False)):  # smallest and largest tile
-            quantize = block_t <= triton_decode_mm.QUANTIZE_IN_KERNEL_TOKENS
-            types = {"q_ptr": "*bf16" if quantize else "*fp16", "qs_ptr": "*bf16" if quantize else "*fp32",
-                     "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*fp32" if partial else "*bf16", **scalars(fp8_names)}
-            check(f"fp8_decode_mm tokens={block_t} partial={partial} quantize={quantize} {cfg}",
-                  triton_decode_mm._fp8_decode_mm_kernel, types,
-                  {"BLOCK_T": block_t, "BLOCK_W": cfg.block_w, "PARTIAL": partial, "QUANTIZE": quantize,
-                   "EXACT_DOT": False}, cfg,
+        for block_t, partial in ((16, True), (bound, True), (bound, False)):  # the smallest and largest token tile
+            types = {"q_ptr": "*fp16", "qs_ptr": "*fp32", "w_ptr": "*u8", "s_ptr": "*u8",
+                     "out_ptr": "*fp32" if partial else "*bf16", **scalars(fp8_names)}
+            check(f"fp8_decode_mm tokens={block_t} partial={partial} {cfg}", triton_decode_mm._fp8_decode_mm_kernel,
+                  types, {"BLOCK_T": block_t, "BLOCK_W": cfg.block_w, "PARTIAL": partial, "EXACT_DOT": False}, cfg,
                   aligned=("q_ptr", "qs_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "K", "k_per_split", "stride_qm",
                            "stride_wn", "stride_os", "stride_om"), spill_free=True)
     for out_f32 in (False, True):

@@ -6,18 +6,18 @@ Two kernels, for the small M of decode steps, where the weight's bytes are the w
   times an FP8 weight), in the reference's order (``model/gemm.py``'s ``block_scaled_linear``): per
   block of 32 columns, the products of the *unscaled* e4m3 values (exact in fp16, summed in fp32 by
   the tensor cores), times the activation's scale, times the weight's, added to the row's sum block
-  after block. Above 16 tokens the activation's round trip is computed once per call (``act_quant``:
-  e4m3 values in fp16 and their scales), not by every program at every step, and its values are
-  loaded as the product's operand; up to 16 tokens (a decode step of a few sequences) each program
-  quantizes the bf16 blocks it reads itself, loaded one block ahead (the same values and scales:
-  the same bits), which saves a launch per linear; the weight bytes go from shared memory to fp16 registers by one conversion
+  after block. The activation's round trip is computed once per call (``act_quant``: e4m3 values
+  in fp16 and their scales), not by every program at every step, and its values are loaded as the
+  product's operand; the weight bytes go from shared memory to fp16 registers by one conversion
   per pair of values; the scales, which the compiler's pipeline does not load ahead (they are not
   product operands), are loaded one step ahead by hand. On one H200 this made a layer's eight FP8
   linears (in one CUDA graph) 124 -> 120 µs at one token and 252 -> 190 µs at 64, bit for bit the
   same results for the same split (``docs/benchmarks.md``). What else limits them: a fixed ~7-10 µs
   per linear (the quantization, the product and the split sum are three launches of ~2 µs each in a
   graph, plus the first loads' latency), while the 42 MB weights stream at ~2-3 TB/s. Tried and not
-  kept: the weight through TMA descriptors with up to 8 stages (no faster), and e4m3 products on the
+  kept: each program quantizing the bf16 blocks it reads (loaded one block ahead; the same bits) up
+  to 16 tokens, which saved the 61 ``act_quant`` launches of a one-token step (106 -> 19 µs) but made
+  its products 774 -> 992 µs on one H200; the weight through TMA descriptors with up to 8 stages (no faster), and e4m3 products on the
   FP8 tensor cores (12% faster, but their sums inside a 32-block are not exact: 0.5-1.4% of outputs
   moved by more than one bf16 ulp, against 0-0.003% here).
 * ``decode_mm``: the other bf16-operand products (the grouped ``wo_a`` with its bf16 activation,
@@ -50,24 +50,20 @@ import triton.language as tl
 
 from ..config import WeightFormat
 from .tile_configs import DecodeConfig, decode_mm_config, fp8_decode_config
-from .triton_common import INTERPRETED, quantize_groups_of_32, sm_count, to_bf16
+from .triton_common import INTERPRETED, sm_count, to_bf16
 from .triton_scaled_mm import act_quant
 from .triton_weight_tiles import FORMAT_CODES, weight_rows
 
 # the decode form takes M <= this (one token tile); at M = 256 it measured slower than the
 # prefill form (the weight re-read per 64-token tile costs more than the split saves)
 MAX_TOKENS = 64
-# up to this token tile the product's programs quantize the activation themselves (each block of 32
-# columns as it reaches it), which saves act_quant's launch; above it one launch for the whole tile
-# costs less than every program quantizing the same tokens again
-QUANTIZE_IN_KERNEL_TOKENS = 16
 
 
 @triton.jit
 def _fp8_decode_mm_kernel(q_ptr, qs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
                           stride_qm, stride_qsm, stride_wn, stride_sn, stride_os, stride_om,
                           BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, PARTIAL: tl.constexpr,
-                          QUANTIZE: tl.constexpr, EXACT_DOT: tl.constexpr):
+                          EXACT_DOT: tl.constexpr):
     pid_w, split = tl.program_id(0), tl.program_id(1)
     offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)  # output features (weight rows)
     offs_t = tl.arange(0, BLOCK_T)  # tokens
@@ -80,27 +76,14 @@ def _fp8_decode_mm_kernel(q_ptr, qs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_s
     # the scales are not operands of the product, so the compiler's pipeline does not load them
     # ahead; each block's are loaded one block before they are used
     w_exp_next = tl.load(s_ptr + (offs_w // 32) * stride_sn + k_begin // 32, mask=row_ok, other=0)
-    if QUANTIZE:  # the bf16 activation, one block ahead (its scales come from its values)
-        x_next = tl.load(q_ptr + offs_t[:, None] * stride_qm + (k_begin + offs_c)[None, :], mask=t_ok[:, None],
-                         other=0.0)
-    else:
-        a_scale_next = tl.load(qs_ptr + offs_t * stride_qsm + k_begin // 32, mask=t_ok, other=0.0)
+    a_scale_next = tl.load(qs_ptr + offs_t * stride_qsm + k_begin // 32, mask=t_ok, other=0.0)
     for k0 in range(k_begin, k_end, 32):  # one scale block per step, in order
-        w_exp = w_exp_next
+        w_exp, a_scale = w_exp_next, a_scale_next
         following = tl.minimum(k0 + 32, k_end - 32) // 32  # the last step reloads its own: always in range
         w_exp_next = tl.load(s_ptr + (offs_w // 32) * stride_sn + following, mask=row_ok, other=0)
-        if QUANTIZE:  # act_quant's arithmetic on this block: the same values and scales
-            x = x_next.to(tl.float32)
-            x_next = tl.load(q_ptr + offs_t[:, None] * stride_qm + (following * 32 + offs_c)[None, :],
-                             mask=t_ok[:, None], other=0.0)
-            values, scale = quantize_groups_of_32(x, BLOCK_T, 32)  # [T, 32], [T, 1]
-            q = tl.trans(values.to(tl.float16))  # [32, T]
-            a_scale = tl.reshape(scale, (BLOCK_T,))
-        else:
-            a_scale = a_scale_next
-            a_scale_next = tl.load(qs_ptr + offs_t * stride_qsm + following, mask=t_ok, other=0.0)
-            # [32, T]: the activation's e4m3 values, loaded in the product's orientation
-            q = tl.load(q_ptr + offs_t[None, :] * stride_qm + (k0 + offs_c)[:, None], mask=t_ok[None, :], other=0.0)
+        a_scale_next = tl.load(qs_ptr + offs_t * stride_qsm + following, mask=t_ok, other=0.0)
+        # [32, T]: the activation's e4m3 values, loaded in the product's orientation
+        q = tl.load(q_ptr + offs_t[None, :] * stride_qm + (k0 + offs_c)[:, None], mask=t_ok[None, :], other=0.0)
         raw = tl.load(w_ptr + offs_w[:, None] * stride_wn + (k0 + offs_c)[None, :], mask=row_ok[:, None], other=0)
         w_scale = (w_exp.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # UE8M0 byte e -> 2**(e - 127)
         if EXACT_DOT:  # the interpreter multiplies 16-bit dot operands wrongly; fp32: the same exact products
@@ -213,9 +196,8 @@ def fp8_decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -
         return out
     if a.stride(1) != 1:
         a = a.contiguous()
+    q, q_scales = act_quant(a)  # once per call, not once per program and step
     block_t = max(16, triton.next_power_of_2(m))
-    quantize = block_t <= QUANTIZE_IN_KERNEL_TOKENS
-    q, q_scales = (a, a) if quantize else act_quant(a)  # once per call, or by the product's programs
     cfg = fp8_decode_config(m)
     while k % cfg.block_k:  # whole split units (the tables' units divide every V4.1 K)
         cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2)
@@ -224,7 +206,7 @@ def fp8_decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -
     target = torch.empty(splits, m, n, dtype=torch.float32, device=a.device) if splits > 1 else out
     _fp8_decode_mm_kernel[(triton.cdiv(n, cfg.block_w), splits)](
         q, q_scales, w, s, target, m, n, k, k_per_split, q.stride(0), q_scales.stride(0), w.stride(0), s.stride(0),
-        m * n, n, BLOCK_T=block_t, BLOCK_W=cfg.block_w, PARTIAL=splits > 1, QUANTIZE=quantize, EXACT_DOT=INTERPRETED,
+        m * n, n, BLOCK_T=block_t, BLOCK_W=cfg.block_w, PARTIAL=splits > 1, EXACT_DOT=INTERPRETED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return _sum_splits(target, out) if splits > 1 else out
 
