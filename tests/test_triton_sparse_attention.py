@@ -186,6 +186,22 @@ def test_real_shapes_on_gpu(t):
     for chosen in (slice(0, 1), slice(t - 1, t)):
         alone = sparse_attention(*as_pool(*rows(inputs, chosen)))
         assert torch.equal(alone, got[chosen]), chosen
+    few = sparse_attention(*as_pool(*inputs), batch_invariant=False)  # 16 heads per program up to 16 rows
+    assert (failure := mismatch(few, ref, *inputs)) is None, failure
+
+
+@pytest.mark.parametrize("shape", [(1, 64, 512, 640), (3, 64, 16, 640), (16, 64, 64, 200), (2, 20, 64, 128)],
+                         ids=lambda s: "T{}-H{}-D{}-L{}".format(*s))
+def test_few_rows_take_16_heads_per_program_and_match_reference(shape):
+    """Outside the batch-invariant mode up to FEW_ROWS rows spread each row's heads over programs of 16:
+    the same arithmetic, other product shapes, the same tolerance."""
+    from model.kernels import triton_sparse_attention as attention
+
+    assert attention.launch_config(shape[1], shape[2], few_rows=attention.few_rows(shape[0]))[0] == 16
+    inputs = random_inputs(*shape, seed=sum(shape) + 1)
+    got = kernel_output(inputs, batch_invariant=False)
+    ref = ReferenceKernels(batch_invariant=True).sparse_attention(*as_pool(*inputs))
+    assert (failure := mismatch(got, ref, *inputs)) is None, failure
 
 
 def test_rows_shared_by_many_lists_are_read_from_one_pool():

@@ -102,7 +102,7 @@ class TritonKernels(KernelBackend):
 
     def sparse_attention(self, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, valid: torch.Tensor,
                          sink: torch.Tensor, scale: float) -> torch.Tensor:
-        return sparse_attention(q, pool, index, valid, sink, scale)
+        return sparse_attention(q, pool, index, valid, sink, scale, batch_invariant=self.batch_invariant)
 
     def hc_coefficients(self, stream: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
                         hc: int, iters: int, hc_eps: float,

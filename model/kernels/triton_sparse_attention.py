@@ -30,7 +30,10 @@ on one H200 against the earlier layout (heads as the narrow side, 16 or 32 per p
 read by 2-4 programs; microbenchmark, 64 heads of 512, 640 random entries per row): 4.13 against
 8.47 ms at 8,192 rows (166 against 81 TFLOP/s), 149 against 302 µs at 256 rows, 75 against 81 µs at
 64; slower only for a few rows (72 against 47 µs at one row), where one program per row leaves most
-SMs idle. A row's blocks are never split over programs: a split softmax would change the sums.
+SMs idle. So outside the batch-invariant mode up to ``FEW_ROWS`` rows (a small decode step) take 16
+heads per program instead: four programs per row of V4.1's 64 heads. Only the products' instruction
+shape changes (the order of their fp32 sums), not the arithmetic, so the twin's tolerance is the same.
+A row's blocks are never split over programs: a split softmax would change the sums.
 
 Every elementwise step is the twin's, in its order: fp32 fusion is off (the twin rounds each
 product and each sum), the division is IEEE's and ``exp`` is CUDA's ``expf`` (what torch runs).
@@ -45,8 +48,9 @@ the KV loads streaming: an ``if`` around a block's work would stop the compiler 
 holes inside that range are masked out of the loads, so they cost no memory traffic. Padding a row
 with holes changes no bit; a row without a valid entry runs no block.
 
-Batch invariance: a program owns its row's heads and walks the row's blocks in order, and the launch
-configuration depends on H and D only; nothing depends on T or on the other rows.
+Batch invariance: a program owns its row's heads and walks the row's blocks in order, and in the
+batch-invariant mode the launch configuration depends on H and D only; nothing depends on T or on the
+other rows.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ from .triton_common import INTERPRETED, dot_bf16, exp_f32, to_bf16
 BLOCK_L = 64  # listed entries per online-softmax step: the twin's block
 MAX_BLOCK_H = 64  # heads per program: the warpgroup instructions' 64 rows
 NUM_STAGES = 2  # KV blocks in flight: q and 2 x 64 KB of shared memory at 64 heads of 512 (192 KB)
+FEW_ROWS = 16  # up to this many rows (outside the batch-invariant mode): 16 heads per program
 EMPTY_MAX = -1e30  # the twin's start of the running max: finite, so exp(old - new) is 0 on the first block
 
 
@@ -113,19 +118,29 @@ def _sparse_attention_kernel(q_ptr, pool_ptr, index_ptr, valid_ptr, sink_ptr, ou
              mask=h_mask[:, None] & d_mask[None, :])
 
 
-def launch_config(h: int, d: int) -> tuple[int, int, int]:
+def launch_config(h: int, d: int, few_rows: bool = False) -> tuple[int, int, int]:
     """(heads per program, padded head width, warps) for ``h`` heads of ``d``: from the model's shape
-    only, never from the number of rows (batch invariance)."""
+    only (batch invariance), unless ``few_rows`` (the caller's choice, outside the batch-invariant
+    mode): then 16 heads per program, so that a row's heads run on several SMs (module docstring)."""
     block_h = min(MAX_BLOCK_H, max(16, triton.next_power_of_2(h)))
     block_d = max(16, triton.next_power_of_2(d))
+    if few_rows:  # 16-row products (mma, not wgmma); 8 warps keep the [16, 512] accumulator out of local memory
+        return 16, block_d, 8 if block_d >= 256 else 4
     return block_h, block_d, 8 if block_h * block_d >= 64 * 256 else 4
 
 
+def few_rows(t: int) -> bool:
+    """Whether ``t`` query rows run faster with 16 heads per program than with all of a row's heads in
+    one: a few rows (one per sequence of a small decode step) would leave most SMs idle."""
+    return t <= FEW_ROWS
+
+
 def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, valid: torch.Tensor,
-                     sink: torch.Tensor, scale: float) -> torch.Tensor:
+                     sink: torch.Tensor, scale: float, batch_invariant: bool = True) -> torch.Tensor:
     """q ``[T, H, D]`` bf16 over each row's listed KV rows ``pool[index[t]]`` (``pool [R, D]`` bf16,
     ``index [T, L]`` integer, ``valid [T, L]`` bool, False: a hole), with ``sink [H]`` fp32 ->
-    ``[T, H, D]`` bf16 (see the module docstring)."""
+    ``[T, H, D]`` bf16 (see the module docstring). Without ``batch_invariant`` a few rows take 16
+    heads per program."""
     t, h, d = q.shape
     length = index.shape[1]
     out = torch.empty(t, h, d, dtype=torch.bfloat16, device=q.device)
@@ -140,7 +155,7 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, v
         valid = valid.contiguous()
     valid = valid.view(torch.uint8)  # same bytes; a bool pointer is awkward in a kernel
     sink = sink.float().contiguous()
-    block_h, block_d, warps = launch_config(h, d)
+    block_h, block_d, warps = launch_config(h, d, few_rows=not batch_invariant and few_rows(t))
     grid = (t * triton.cdiv(h, block_h),)
     _sparse_attention_kernel[grid](
         q, pool, index, valid, sink, out, float(scale), h, d, length,
