@@ -64,17 +64,31 @@ def join_lists(window: WindowList, window_index: torch.Tensor, selection: TokenS
     each window position and each selected entry): the window part, then the compressed part.
 
     The compressed part starts right after the window part of each row: after the valid window
-    entries (packed), or after the kernel's window columns (reference)."""
-    t, w = window.valid.shape
+    entries (packed), or after the kernel's window columns (reference). On CUDA one Triton launch
+    (``kernels/triton_join_lists.py``) computes what ``joined_lists`` computes here in ~15 torch
+    kernels: the same integers."""
     if selection is None:
         return window_index, window.valid, window.widths
-    k = selection.entries.shape[1]
-    compressed_valid = torch.arange(k, device=window_index.device) < selection.counts.unsqueeze(-1)
     compressed_width = selection.widths if reference_layout else selection.counts
+    parts = (window_index, window.valid, window.widths, compressed_index, selection.counts, compressed_width)
+    if window_index.is_cuda:
+        from .kernels.triton_join_lists import join_lists as join_on_gpu
+
+        return join_on_gpu(*parts)
+    return joined_lists(*parts)
+
+
+def joined_lists(window_index: torch.Tensor, window_valid: torch.Tensor, window_widths: torch.Tensor,
+                 compressed_index: torch.Tensor, compressed_counts: torch.Tensor,
+                 compressed_widths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``join_lists`` on the parts' tensors: row t takes ``window_widths[t]`` window columns, then the
+    compressed ones (``compressed_counts[t]`` valid), ``window_widths[t] + compressed_widths[t]`` long."""
+    w, k = window_index.shape[1], compressed_index.shape[1]
+    compressed_valid = torch.arange(k, device=window_index.device) < compressed_counts.unsqueeze(-1)
     j = torch.arange(w + k, device=window_index.device)
-    win_width = window.widths.unsqueeze(-1)
+    win_width = window_widths.unsqueeze(-1)
     source = torch.where(j < win_width, j, w + j - win_width).clamp(max=w + k - 1)
     index = torch.gather(torch.cat([window_index, compressed_index], dim=1), 1, source)
-    widths = window.widths + compressed_width
-    valid = torch.gather(torch.cat([window.valid, compressed_valid], dim=1), 1, source) & (j < widths.unsqueeze(-1))
+    widths = window_widths + compressed_widths
+    valid = torch.gather(torch.cat([window_valid, compressed_valid], dim=1), 1, source) & (j < widths.unsqueeze(-1))
     return index, valid, widths

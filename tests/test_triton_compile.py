@@ -64,7 +64,7 @@ def main() -> int:
 
     from model.cache_formats import COMPRESSED_KV, INDEX_KEYS, WINDOW_KV
     from model.kernels import (tile_configs, triton_align_pairs, triton_bf16_mm, triton_cache_codec,
-                               triton_decode_mm, triton_engram, triton_fp4_round_trip, triton_hc_coefficients, triton_index_scores,
+                               triton_decode_mm, triton_engram, triton_join_lists, triton_fp4_round_trip, triton_hc_coefficients, triton_index_scores,
                                triton_mhc, triton_moe, triton_moe_sum, triton_ngram_hash, triton_rms_norm, triton_rope, triton_route,
                                triton_scaled_mm, triton_sinkhorn, triton_sparse_attention, triton_top_entries)
 
@@ -154,7 +154,7 @@ def main() -> int:
 
     attention = triton_sparse_attention
     sizes = "H D L stride_qt stride_qh stride_pool stride_it stride_vt stride_ot stride_oh"
-    types = {"q_ptr": "*bf16", "pool_ptr": "*bf16", "index_ptr": "*i32", "valid_ptr": "*u8", "sink_ptr": "*fp32",
+    types = {"q_ptr": "*bf16", "pool_ptr": "*bf16", "index_ptr": "*i64", "valid_ptr": "*u8", "sink_ptr": "*fp32",
              "out_ptr": "*bf16", "scale": "fp32", **scalars(sizes)}
     for head_dim, few_rows in ((512, False), (512, True), (64, False)):  # V4.1-Flash (both layouts); the tiny models
         block_h, block_d, warps = attention.launch_config(64, head_dim, few_rows)
@@ -250,6 +250,11 @@ def main() -> int:
            **scalars("D stride_rt stride_rk stride_it stride_st stride_ot")},
           {"K": 6, "K_POW2": 8, "BLOCK": triton_moe_sum.BLOCK, "INTERPRETED": False},
           options={"enable_fp_fusion": False}, wgmma=False)
+    check("join_lists", triton_join_lists._join_lists_kernel,
+          {"window_index_ptr": "*i64", "window_valid_ptr": "*u8", "window_width_ptr": "*i64",
+           "compressed_index_ptr": "*i64", "compressed_count_ptr": "*i64", "compressed_width_ptr": "*i64",
+           "index_ptr": "*i64", "valid_ptr": "*u8", "length_ptr": "*i64", **scalars("W K stride_wi stride_wv stride_ci")},
+          {"BLOCK": triton_join_lists.BLOCK}, wgmma=False)
     check("route k=6 experts=384", triton_route._route_kernel,
           {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
            **scalars("E stride_l stride_w stride_i"), "temperature": "fp32", "route_scale": "fp32"},

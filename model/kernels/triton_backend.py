@@ -42,7 +42,7 @@ class TritonKernels(KernelBackend):
     split-K decode form (``triton_decode_mm``). The sparse attention is one launch per layer
     (``triton_sparse_attention``), where its torch twin takes ~120 small kernels; mHC's coefficients
     take two (``triton_hc_coefficients``) instead of ~140; RMSNorm, RoPE, the FP8/FP4 round trips,
-    mHC's collapse and expand, the shared expert's SwiGLU and the MoE's expert sum one each; the
+    mHC's collapse and expand, the shared expert's SwiGLU and the MoE's routing and expert sum one each; the
     indexer's scores read each sequence's keys in place (``triton_index_scores``) instead of a
     per-query copy, and its top-k is a threshold search (``triton_top_entries``) instead of two sorts;
     Engram's n-gram hashing is one launch (``triton_ngram_hash``) instead of ~45."""

@@ -11,7 +11,7 @@ rounded to bf16 with the KV rows (fp32 accumulation); at the end ``exp(sink[h] -
 denominator only (the sink is not scaled) and ``out = bf16(acc / sum)``. A row without any valid
 entry yields zeros.
 
-Layouts: q ``[T, H, D]``, pool ``[R, D]`` bf16 (last dims contiguous), index ``[T, L]`` int32 (any
+Layouts: q ``[T, H, D]``, pool ``[R, D]`` bf16 (last dims contiguous), index ``[T, L]`` int32 or int64 (any
 value at a hole), valid ``[T, L]`` bool, sink ``[H]`` fp32; out ``[T, H, D]`` bf16. The pool holds
 each row once however many queries list it: the rows of a prefill chunk and the compressed entries
 of its sequence are shared by thousands of queries, which would otherwise each get a copy. One
@@ -150,7 +150,9 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, v
         q = q.contiguous()
     if pool.stride(-1) != 1:
         pool = pool.contiguous()
-    index = index.to(torch.int32).contiguous()
+    if index.dtype not in (torch.int32, torch.int64):  # int64 lists are read as they are: no conversion launch
+        index = index.long()
+    index = index.contiguous()
     if valid.stride(-1) != 1:
         valid = valid.contiguous()
     valid = valid.view(torch.uint8)  # same bytes; a bool pointer is awkward in a kernel
