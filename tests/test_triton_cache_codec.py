@@ -62,6 +62,20 @@ def test_write_and_read_are_the_codecs_byte_for_byte(fmt, values):
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_few_rows_take_a_program_of_their_size_and_the_same_bytes(fmt, rows):
+    """A decode step writes one row per sequence: programs then hold as many rows as there are."""
+    from model.kernels.triton_cache_codec import _constants, read_rows
+
+    assert _constants(fmt, WIDTH, rows)["BLOCK_ROWS"] == triton.next_power_of_2(rows)
+    y = corner_rows(fmt, 1)[:rows]
+    where = torch.arange(rows) * 2 + 1
+    data = kernel_store(fmt, y, where, 2 * rows + 1)
+    assert torch.equal(data[where].cpu(), RowCodec(fmt, WIDTH, "cpu").encode(y))
+    assert torch.equal(bits(read_rows(data, where.to(device()), fmt, WIDTH).cpu()), bits(y))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_quantized_rows_fused_path_indexes_like_the_torch_path(fmt):
     """A [slots, ring] store read and written at broadcast (slot [T, 1], row [T, W]) index pairs."""
     plain = QuantizedRows(RowCodec(fmt, WIDTH, "cpu"), (5, 16), "cpu")

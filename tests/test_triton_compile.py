@@ -15,6 +15,7 @@ so the compilation runs in a child process without ``TRITON_INTERPRET`` (this fi
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -228,11 +229,12 @@ def main() -> int:
            **scalars("E stride_qt stride_qh stride_wt stride_kb stride_ke stride_ot")},
           {"H": 64, "D": 128, "BLOCK_E": triton_index_scores.BLOCK_E, "INTERPRETED": False},
           options={"num_warps": 4, "enable_fp_fusion": False}, spill_free=True)
-    for fmt, width in ((WINDOW_KV, 512), (COMPRESSED_KV, 512), (INDEX_KEYS, 128)):
-        constants = triton_cache_codec._constants(fmt, width)
-        check(f"cache read {fmt.describe()}", triton_cache_codec._read_rows_kernel,
+    for (fmt, width), rows in itertools.product(((WINDOW_KV, 512), (COMPRESSED_KV, 512), (INDEX_KEYS, 128)),
+                                                (1, None)):  # one row (a decode step), full programs
+        constants = triton_cache_codec._constants(fmt, width, rows)
+        check(f"cache read {fmt.describe()} rows={rows}", triton_cache_codec._read_rows_kernel,
               {"data_ptr": "*u8", "rows_ptr": "*i64", "out_ptr": "*i16", "M": "i32"}, constants, wgmma=False)
-        check(f"cache write {fmt.describe()}", triton_cache_codec._write_rows_kernel,
+        check(f"cache write {fmt.describe()} rows={rows}", triton_cache_codec._write_rows_kernel,
               {"values_ptr": "*i16", "rows_ptr": "*i64", "data_ptr": "*u8", "M": "i32", "stride_v": "i32"},
               constants, wgmma=False)
     for clamp in (True, False):

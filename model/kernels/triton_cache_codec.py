@@ -133,11 +133,17 @@ def _write_rows_kernel(values_ptr, rows_ptr, data_ptr, M, stride_v, ROW_BYTES: t
 
 
 # ----------------------------------------------------------------------------------- launchers
-def _constants(fmt: RowFormat, width: int) -> dict:
+def _constants(fmt: RowFormat, width: int, rows: int | None = None) -> dict:
+    """The kernels' constants for ``rows`` rows of ``width`` values: up to ``BLOCK_ELEMENTS`` values per
+    program, but no more rows than there are (a decode step writes one row per sequence: a program of
+    eight rows would encode seven masked ones; rows are encoded alone, so this changes no byte)."""
     assert width & (width - 1) == 0 and width % fmt.group == 0, (width, fmt)
+    block_rows = max(1, BLOCK_ELEMENTS // width)
+    if rows is not None:
+        block_rows = min(block_rows, triton.next_power_of_2(max(rows, 1)))
     return dict(ROW_BYTES=fmt.row_bytes(width), CODE_BYTES=fmt.code_bytes(width),
                 FP8=fmt.element is ElementFormat.FP8_E4M3, UE8M0=fmt.scale is ScaleFormat.UE8M0, WIDTH=width,
-                GROUP=fmt.group, BLOCK_ROWS=max(1, BLOCK_ELEMENTS // width))
+                GROUP=fmt.group, BLOCK_ROWS=block_rows)
 
 
 def read_rows(data: torch.Tensor, flat_rows: torch.Tensor, fmt: RowFormat, width: int) -> torch.Tensor:
@@ -145,7 +151,7 @@ def read_rows(data: torch.Tensor, flat_rows: torch.Tensor, fmt: RowFormat, width
     ``[M, width]``."""
     out = torch.empty(flat_rows.numel(), width, dtype=torch.bfloat16, device=data.device)
     if out.shape[0]:
-        constants = _constants(fmt, width)
+        constants = _constants(fmt, width, out.shape[0])
         _read_rows_kernel[(triton.cdiv(out.shape[0], constants["BLOCK_ROWS"]),)](
             data, flat_rows.reshape(-1), out.view(torch.int16), out.shape[0], **constants, num_warps=4)
     return out
@@ -156,6 +162,6 @@ def write_rows(data: torch.Tensor, flat_rows: torch.Tensor, values: torch.Tensor
     m, width = values.shape
     if m:
         values = values if values.stride(-1) == 1 else values.contiguous()
-        constants = _constants(fmt, width)
+        constants = _constants(fmt, width, m)
         _write_rows_kernel[(triton.cdiv(m, constants["BLOCK_ROWS"]),)](
             values.view(torch.int16), flat_rows.reshape(-1), data, m, values.stride(0), **constants, num_warps=4)
