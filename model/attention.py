@@ -18,7 +18,7 @@ import torch
 
 from .batch import ForwardBatch
 from .cache import V41Cache
-from .attention_lists import TokenSelection, join_lists, window_list
+from .attention_lists import TokenSelection, WindowList, join_lists, window_list
 from .compressor import Compressor
 from .config import LayerRole, V41Config
 from .indexer import Indexer
@@ -41,6 +41,7 @@ class ForwardState:
     shared: dict[tuple, Any] = field(default_factory=dict)
 
     def once(self, key: tuple, compute: Callable[[], Any]) -> Any:
+        """``compute()``'s value for ``key``: computed by the first caller of the forward, then shared."""
         if key not in self.shared:
             self.shared[key] = compute()
         return self.shared[key]
@@ -155,8 +156,8 @@ class Attention:
         from_ring = tokens + layout.seq.unsqueeze(-1) * win + window.positions.clamp(min=0) % win
         return window, torch.where(window.positions >= start, from_chunk, from_ring)
 
-    def _compressed_lists(self, batch: ForwardBatch, cache: V41Cache, selection: TokenSelection, window,
-                          window_index: torch.Tensor, first_row: int):
+    def _compressed_lists(self, batch: ForwardBatch, cache: V41Cache, selection: TokenSelection,
+                          window: WindowList, window_index: torch.Tensor, first_row: int):
         """(the selected compressed rows, and the joined lists: index, valid, widths)."""
         rows, compressed_index = self._compressed_entries(batch, cache, selection, first_row)
         index, valid, widths = join_lists(window, window_index, selection, compressed_index, self.reference_layout)

@@ -45,3 +45,27 @@ def test_the_pool_of_compressed_entries_changes_no_bit(tiny_model, monkeypatch, 
     for layer in range(tiny_model.cfg.num_layers):
         slots, ring = torch.arange(len(PROMPTS)).unsqueeze(-1), torch.arange(tiny_model.cfg.sliding_window)
         assert torch.equal(forced_cache.read_window(layer, slots, ring), base_cache.read_window(layer, slots, ring))
+
+
+def test_lists_shared_across_layers_change_no_bit(tiny_model, monkeypatch):
+    """``ForwardState.once`` hands later layers the lists an earlier one computed; computing them in
+    every layer instead gives the same logits and cache, and a state passed to a second forward does
+    not hand it the first one's lists."""
+    shared, _ = _run(tiny_model)
+    computed = []
+    real_once = attention.ForwardState.once
+    monkeypatch.setattr(attention.ForwardState, "once", lambda self, key, compute: computed.append(key) or compute())
+    every_layer, _ = _run(tiny_model)
+    assert torch.equal(every_layer, shared)
+    assert computed.count(("window lists",)) > len(PROMPTS), "the lists were not asked for by every layer"
+    monkeypatch.setattr(attention.ForwardState, "once", real_once)
+
+    cache = V41Cache.allocate(tiny_model.cfg, 1 + 3 * 8, len(PROMPTS), BLOCK)
+    tables = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(len(PROMPTS))]
+    state = attention.ForwardState()
+    reused = [tiny_model.forward(ForwardBatch.build([p[:n]], [0], [i], [tables[i]]), cache, state)
+              for i, (p, n) in enumerate(zip(PROMPTS, (5, 30, 60)))]
+    fresh_cache = V41Cache.allocate(tiny_model.cfg, 1 + 3 * 8, len(PROMPTS), BLOCK)
+    fresh = [tiny_model.forward(ForwardBatch.build([p[:n]], [0], [i], [tables[i]]), fresh_cache)
+             for i, (p, n) in enumerate(zip(PROMPTS, (5, 30, 60)))]
+    assert all(torch.equal(a, b) for a, b in zip(reused, fresh))
