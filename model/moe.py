@@ -95,7 +95,7 @@ class MoE:
         """Outputs ``[P, D]`` of (token, slot) pairs whose slots this rank holds (global slot ids);
         rows of other ranks' pairs stay zero."""
         first = self.experts.first_expert
-        local = pair_expert - first if first else pair_expert  # a launch saved where a rank holds expert 0 on
+        local = pair_expert - first if first else pair_expert  # no subtraction (a launch) when the slots start at 0
         return self.kernels.expert_outputs(x, pair_token, local, pair_weight.float(), self.experts)
 
     def expert_rows(self, rows: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:

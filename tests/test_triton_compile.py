@@ -157,8 +157,8 @@ def main() -> int:
     sizes = "H D L stride_qt stride_qh stride_pool stride_it stride_vt stride_ot stride_oh"
     types = {"q_ptr": "*bf16", "pool_ptr": "*bf16", "index_ptr": "*i64", "valid_ptr": "*u8", "sink_ptr": "*fp32",
              "out_ptr": "*bf16", "scale": "fp32", **scalars(sizes)}
-    for head_dim, few_rows in ((512, False), (512, True), (64, False)):  # V4.1-Flash (both layouts); the tiny models
-        block_h, block_d, warps = attention.launch_config(64, head_dim, few_rows)
+    for head_dim, narrow in ((512, False), (512, True), (64, False)):  # V4.1-Flash (both layouts); the tiny models
+        block_h, block_d, warps = attention.launch_config(64, head_dim, narrow)
         # At 64 heads of 512 the output accumulator takes 128 registers per thread and the compiler keeps
         # some addressing in local memory: measured faster than every spill-free layout (the kernel's
         # docstring), so only the narrower width is held spill-free.
@@ -167,7 +167,7 @@ def main() -> int:
                "EMPTY_MAX": attention.EMPTY_MAX, "INTERPRETED": False},
               options={"num_warps": warps, "num_stages": attention.NUM_STAGES, "enable_fp_fusion": False},
               aligned=("q_ptr", "pool_ptr", "index_ptr", "valid_ptr", "sink_ptr", "out_ptr", *sizes.split()),
-              spill_free=head_dim < 512 or few_rows, wgmma=block_h >= 64)
+              spill_free=head_dim < 512 or narrow, wgmma=block_h >= 64)
 
     outputs = ("sorted_ptr", "start_ptr", "count_ptr", "block_expert_ptr", "block_index_ptr")
     check("align_pairs E=384", triton_align_pairs._align_pairs_kernel,

@@ -197,7 +197,7 @@ def test_few_rows_take_16_heads_per_program_and_match_reference(shape):
     the same arithmetic, other product shapes, the same tolerance."""
     from model.kernels import triton_sparse_attention as attention
 
-    assert attention.launch_config(shape[1], shape[2], few_rows=attention.few_rows(shape[0]))[0] == 16
+    assert attention.launch_config(shape[1], shape[2], narrow_heads=attention.few_rows(shape[0]))[0] == 16
     inputs = random_inputs(*shape, seed=sum(shape) + 1)
     got = kernel_output(inputs, batch_invariant=False)
     ref = ReferenceKernels(batch_invariant=True).sparse_attention(*as_pool(*inputs))

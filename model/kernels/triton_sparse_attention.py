@@ -118,13 +118,13 @@ def _sparse_attention_kernel(q_ptr, pool_ptr, index_ptr, valid_ptr, sink_ptr, ou
              mask=h_mask[:, None] & d_mask[None, :])
 
 
-def launch_config(h: int, d: int, few_rows: bool = False) -> tuple[int, int, int]:
+def launch_config(h: int, d: int, narrow_heads: bool = False) -> tuple[int, int, int]:
     """(heads per program, padded head width, warps) for ``h`` heads of ``d``: from the model's shape
-    only (batch invariance), unless ``few_rows`` (the caller's choice, outside the batch-invariant
-    mode): then 16 heads per program, so that a row's heads run on several SMs (module docstring)."""
+    only (batch invariance), unless ``narrow_heads`` (the caller's choice for a few rows, outside the
+    batch-invariant mode): then 16 heads per program, so that a row's heads run on several SMs."""
     block_h = min(MAX_BLOCK_H, max(16, triton.next_power_of_2(h)))
     block_d = max(16, triton.next_power_of_2(d))
-    if few_rows:  # 16-row products (mma, not wgmma); 8 warps keep the [16, 512] accumulator out of local memory
+    if narrow_heads:  # 16-row products (mma, not wgmma); 8 warps keep the [16, 512] accumulator out of local memory
         return 16, block_d, 8 if block_d >= 256 else 4
     return block_h, block_d, 8 if block_h * block_d >= 64 * 256 else 4
 
@@ -157,7 +157,7 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, v
         valid = valid.contiguous()
     valid = valid.view(torch.uint8)  # same bytes; a bool pointer is awkward in a kernel
     sink = sink.float().contiguous()
-    block_h, block_d, warps = launch_config(h, d, few_rows=not batch_invariant and few_rows(t))
+    block_h, block_d, warps = launch_config(h, d, narrow_heads=not batch_invariant and few_rows(t))
     grid = (t * triton.cdiv(h, block_h),)
     _sparse_attention_kernel[grid](
         q, pool, index, valid, sink, out, float(scale), h, d, length,
