@@ -23,7 +23,7 @@ from .compressor import Compressor
 from .config import LayerRole, V41Config
 from .indexer import Indexer
 from .kernels import KernelBackend, QuantizedWeight
-from .layers import Linear
+from .layers import Linear, project
 from .rope import RotaryTable
 from .sparse_attention import sparse_attention
 
@@ -91,10 +91,11 @@ class Attention:
         cfg, w, pos = self.cfg, self.w, batch.positions
         rd = cfg.rope_head_dim
         eps = cfg.rms_norm_eps
-        qr = self.kernels.rms_norm(w.wq_a(x), w.q_norm, eps)
+        q_low_rank, kv = project(x, w.wq_a, w.wkv)
+        qr = self.kernels.rms_norm(q_low_rank, w.q_norm, eps)
         q = w.wq_b(qr).unflatten(-1, (cfg.num_heads, cfg.head_dim))
         self.kernels.rotate_(q[..., -rd:], pos, self.rope)
-        kv = self.kernels.rms_norm(w.wkv(x), w.kv_norm, eps)
+        kv = self.kernels.rms_norm(kv, w.kv_norm, eps)
         self.kernels.rotate_(kv[:, -rd:], pos, self.rope)
         kv = self.kernels.fp8_round_trip(kv)
 

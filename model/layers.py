@@ -34,6 +34,15 @@ class Linear:
         return dense_linear(x, self.weight, self.batch_invariant)
 
 
+def project(x: torch.Tensor, *linears: Linear) -> list[torch.Tensor]:
+    """``[lin(x) for lin in linears]``: projections of one input, which the backend may run together
+    (one launch for a token's two FP8 projections) when every weight is quantized."""
+    weights = [lin.weight for lin in linears]
+    if all(isinstance(w, QuantizedWeight) for w in weights):
+        return linears[0].kernels.quantized_linears(x, weights)
+    return [lin(x) for lin in linears]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in fp32 (the weight multiplies the fp32 value), returned in the input dtype."""
     xf = x.float()

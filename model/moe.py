@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kernels import ExpertWeights, KernelBackend
-from .layers import Linear
+from .layers import Linear, project
 from .routing import RoutingRule
 
 
@@ -42,7 +42,8 @@ class SharedExpert:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         kernels = self.w2.kernels  # the layer's backend (every Linear holds it)
-        return self.w2(kernels.swiglu(self.w1(x), self.w3(x), self.swiglu_limit))
+        gate, up = project(x, self.w1, self.w3)
+        return self.w2(kernels.swiglu(gate, up, self.swiglu_limit))
 
 
 @dataclass

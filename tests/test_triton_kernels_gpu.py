@@ -1,8 +1,8 @@
 """Triton kernels at the real DeepSeek-V4.1-Flash shapes on CUDA (skipped without a GPU).
 
 Same checks and tolerance as ``test_triton_kernels.py`` (see its docstring), at M = 1, 7, 64, 300
-and the K/N of the real layers, in both modes of the backend: the default (the split-K decode form
-at M <= 64) and the batch-invariant mode, where a row computed alone, in a decode-sized batch and
+and the K/N of the real layers, in both modes of the backend: the default (the one-token form at
+M = 1, the split-K decode form at M <= 64) and the batch-invariant mode, where a row computed alone, in a decode-sized batch and
 in a prefill-sized batch (which take different tile configs) is bit-identical.
 """
 
@@ -58,6 +58,34 @@ def test_fp8_linear_real_shapes(kernels, name):
         decoded = decode_k.quantized_linear(x[:m], weight)  # the split-K decode form
         assert_close_to_reference(decoded, reference.quantized_linear(x[:m], weight))
         assert torch.equal(decode_k.quantized_linear(x[:m], weight), decoded), f"M={m}: not deterministic"
+
+
+@pytest.mark.parametrize("pair", [("wq_a", "wkv"), ("shared_w1", "shared_w1")])  # w3 has w1's shape
+def test_two_projections_of_one_token_real_shapes(kernels, pair):
+    """A token's two FP8 projections of one input in one launch (``triton_gemv``) against the reference."""
+    _, reference, decode_k = kernels
+    gen = torch.Generator(device="cuda").manual_seed(len(pair[0]))
+    weights = [fp8_weight(*FP8_SHAPES[name], gen) for name in pair]
+    x = torch.randn(1, FP8_SHAPES[pair[0]][1], device="cuda", generator=gen).bfloat16()
+    for got, weight in zip(decode_k.quantized_linears(x, weights), weights):
+        assert_close_to_reference(got, reference.quantized_linear(x, weight))
+
+
+def test_one_token_split_counters_give_the_same_bits_every_launch(kernels):
+    """The one-token form's splits are added by the last program of each row tile to arrive (a counter
+    per tile): 200 back-to-back launches of a many-split product give the first one's bits, and the
+    counters end at zero (the reference check above covers the values)."""
+    from model.kernels import triton_gemv
+
+    _, _, decode_k = kernels
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    weight = fp8_weight(*FP8_SHAPES["wkv"], gen)  # 32 row tiles: K split many ways
+    x = torch.randn(1, FP8_SHAPES["wkv"][1], device="cuda", generator=gen).bfloat16()
+    first = decode_k.quantized_linear(x, weight)
+    outs = [decode_k.quantized_linear(x, weight) for _ in range(200)]
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, first) for out in outs)
+    assert not any(counters.any() for counters in triton_gemv._counters.values())
 
 
 def test_fp8_linear_prefill_rows_equal_decode_rows(kernels):

@@ -17,6 +17,7 @@ backends run them through torch (``model/gemm.py``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +38,11 @@ class KernelBackend(ABC):
 
         The reference's ``fp8_gemm``/``fp4_gemm``: ``x`` is FP8-quantized in groups of 32 (UE8M0
         scales), products accumulate in fp32."""
+
+    def quantized_linears(self, x: torch.Tensor, weights: Sequence[QuantizedWeight]) -> list[torch.Tensor]:
+        """``quantized_linear(x, w)`` for each weight: projections of one input (a backend may run
+        them in one launch)."""
+        return [self.quantized_linear(x, w) for w in weights]
 
     @abstractmethod
     def grouped_dequantized_linear(self, x: torch.Tensor, weight: QuantizedWeight | torch.Tensor) -> torch.Tensor:

@@ -78,20 +78,28 @@ def to_bf16(x, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def quantize_groups_of_32(x, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """fp32 ``[ROWS, COLS]`` -> (e4m3 values ``[ROWS, COLS]`` as fp32, scales ``[ROWS, COLS/32]``).
+def quantize_blocks(g):
+    """fp32 ``[..., 32]`` (groups of 32 along the last axis) -> (e4m3 values ``[..., 32]`` as fp32,
+    scales ``[...]``).
 
-    The reference's ``act_quant``: per group of 32 along a row, scale = 2**ceil(log2(amax / 448))
-    read off the fp32 bits (amax floored at 1e-4), values divided by it (exact), saturated at 448
-    and rounded to nearest even.
+    The reference's ``act_quant``: per group of 32, scale = 2**ceil(log2(amax / 448)) read off the
+    fp32 bits (amax floored at 1e-4), values divided by it (exact), saturated at 448 and rounded to
+    nearest even.
     """
-    g = tl.reshape(x, (ROWS, COLS // 32, 32))
-    amax = tl.maximum(tl.max(tl.abs(g), axis=2), 1e-4)
+    amax = tl.maximum(tl.max(tl.abs(g), axis=-1), 1e-4)
     bits = (amax * 0.002232142857142857).to(tl.int32, bitcast=True)  # amax * fp32(1/448)
     exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # ceil(log2) + 127
     scale = (exponent << 23).to(tl.float32, bitcast=True)
     inverse = ((254 - exponent) << 23).to(tl.float32, bitcast=True)  # 1 / scale, exact
-    q = round_to_e4m3(tl.minimum(tl.maximum(g * inverse[:, :, None], -448.0), 448.0))
+    q = round_to_e4m3(tl.minimum(tl.maximum(g * tl.expand_dims(inverse, -1), -448.0), 448.0))
+    return q, scale
+
+
+@triton.jit
+def quantize_groups_of_32(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """fp32 ``[ROWS, COLS]`` -> (e4m3 values ``[ROWS, COLS]`` as fp32, scales ``[ROWS, COLS/32]``):
+    ``quantize_blocks`` over each row's groups of 32."""
+    q, scale = quantize_blocks(tl.reshape(x, (ROWS, COLS // 32, 32)))
     return tl.reshape(q, (ROWS, COLS)), scale
 
 

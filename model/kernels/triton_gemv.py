@@ -1,0 +1,180 @@
+"""One token's products with FP8 weights on the CUDA cores (the matrix-vector form of decode).
+
+``fp8_gemv(x, [(values, scales), ...])``: one row ``x [1, G*K]`` bf16 times one or two FP8 weights,
+``values [G*N, K]`` e4m3 bytes with their ``scales [G*N/32, K/32]`` (UE8M0 per 32x32 tile) -> bf16
+``[1, G*N (+ N2)]``. G groups side by side: the grouped ``wo_a`` (group g reads columns g*K..); two
+weights: two projections of the same input in one launch (``wq_a`` and ``wkv``, the shared expert's
+``w1`` and ``w3``), the second's outputs after the first's. With ``quantize`` the activation goes
+through its FP8 round trip per 32 first (``quantized_linear``: the reference's ``act_quant``, bit for
+bit); without, it is multiplied as it is (``grouped_dequantized_linear``).
+
+Why a kernel for one token: the tensor-core decode form (``triton_decode_mm``) pads the token to 16
+rows, walks K one 32-column scale block per step (4 KB of weight per step and program) and needs the
+activation quantized by a launch of its own. At one token the bytes are everything: here each thread
+loads 16-byte chunks of weight straight into registers (``BLOCK_W`` rows x ``BLOCK_K`` columns per
+program and step, the next step's loaded before the current one is used), expands them to fp32 and
+multiplies on the CUDA cores; each program quantizes the activation columns it reads (hundreds of
+values against thousands of weight bytes), so there is no ``act_quant`` launch. On one H200 a
+V4.1-Flash layer's nine FP8 projections (one CUDA graph) took 112 instead of 136 µs, and a one-token
+decode step of the 8-layer config 3.17 instead of 3.35 ms (``docs/benchmarks.md``). The large weights
+still stream at ~1.8 TB/s: the loop spends ~7 instructions per weight byte and thread (the e4m3
+expansion alone ~3). Tried and not kept (same sweep): loads two steps ahead (146 µs per layer: fewer
+programs fit an SM) and persistent programs walking several row tiles with their loads running
+ahead across tiles (158-330 µs: the per-step work items' addressing and fewer resident programs).
+
+Arithmetic: every product of a (quantized) activation value and an e4m3 weight value is exact, and
+so is it times the two block scales (powers of two), which go onto the activation; each thread sums
+its products in fp32 over all of K, then the program adds the threads' sums. The reference sums
+each 32-block, scales it, then adds the blocks in order: another fp32 order, within one bf16 ulp
+of the reference's result like the split-K decode form (tested).
+
+K is split so that enough programs stream the weight (``split_count``); each split stores its fp32
+partial and counts itself in its row tile's counter, and the last to arrive adds the tile's partials
+in split order and rounds once (the same bits whichever program comes last), so a product is one
+launch (a second launch to add the splits cost ~2 µs per product in a one-token step on one H200).
+Not batch invariant (the split depends on the shape): used only outside ``--batch-invariant``, like
+``triton_decode_mm``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .tile_configs import gemv_config
+from .triton_common import INTERPRETED, quantize_blocks, sm_count, to_bf16
+from .triton_decode_mm import split_count
+
+MAX_TOKENS = 1  # rows it takes: at two the expansion is paid twice and the tensor-core form was faster (one H200)
+
+
+@triton.jit
+def _add_splits_if_last(part_ptr, out_ptr, counter_ptr, splits, stride_os, INTERPRETED: tl.constexpr):
+    """Called by every split of a row tile once its partial is stored: the last one to arrive adds the
+    tile's ``splits`` partials (``part_ptr``: split 0's, the others ``stride_os`` apart) in split order,
+    rounds once into ``out_ptr`` and resets the tile's counter (the same bits whichever comes last)."""
+    tl.debug_barrier()  # all of this program's partial is stored before it counts itself
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")  # the others' partials visible after
+    if arrived == splits - 1:
+        # from L2 (".cg"): another program's partial must not come from a stale line of this SM's L1
+        total = tl.load(part_ptr, cache_modifier=".cg")
+        for split in range(1, splits):
+            total += tl.load(part_ptr + split * stride_os, cache_modifier=".cg")
+        tl.store(out_ptr, to_bf16(total, INTERPRETED))
+        tl.atomic_xchg(counter_ptr, 0)  # for the next launch, or the next replay of a CUDA graph
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counter_ptr, N, N2, K, k_per_split,
+                     splits, stride_os, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, QUANTIZE: tl.constexpr,
+                     PARTIAL: tl.constexpr, INTERPRETED: tl.constexpr):
+    pid_w, split, group = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    BLOCKS: tl.constexpr = BLOCK_K // 32
+    # the first weight's row tiles, then the second's (its outputs follow the first's columns)
+    tiles = tl.cdiv(N, BLOCK_W)
+    if pid_w < tiles:
+        weights, scales, tile, first_col = w_ptr, s_ptr, pid_w, group * N
+    else:
+        weights, scales, tile, first_col = w2_ptr, s2_ptr, pid_w - tiles, N
+    x_ptr += group * K
+    weights += group * N * K
+    scales += (group * N + tile * BLOCK_W) // 32 * (K // 32)  # BLOCK_W divides 32: one row of scales
+    rows = tile * BLOCK_W + tl.arange(0, BLOCK_W)
+    blocks = tl.arange(0, BLOCKS)
+    cols = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]  # [BLOCKS, 32]: a step's columns by scale block
+    w_ptrs = weights + rows[:, None, None] * K + cols[None, :, :]
+    acc = tl.zeros((BLOCK_W, BLOCKS, 32), dtype=tl.float32)
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    # every load is issued one step before its use (the last step reloads its own), so a step's
+    # latency overlaps the previous step's arithmetic (two steps ahead measured slower on one H200)
+    raw_next = tl.load(w_ptrs + k_begin)
+    w_exp_next = tl.load(scales + k_begin // 32 + blocks)
+    x_next = tl.load(x_ptr + k_begin + cols)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        raw, w_exp, x = raw_next, w_exp_next, x_next
+        following = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K)
+        raw_next = tl.load(w_ptrs + following)
+        w_exp_next = tl.load(scales + following // 32 + blocks)
+        x_next = tl.load(x_ptr + following + cols)
+        scale = (w_exp.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # UE8M0 byte e -> 2**(e - 127)
+        a = x.to(tl.float32)
+        if QUANTIZE:
+            a, a_scale = quantize_blocks(a)
+            scale = a_scale * scale
+        # the block's scales go onto the activation (a power of two: exact), so every product is
+        # exact and the sum runs over the whole K without a reduction per block
+        a = a * scale[:, None]
+        acc += raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * a[None, :, :]
+    acc = tl.sum(tl.sum(acc, axis=2), axis=1)
+    columns = first_col + rows  # every row exists: N and N2 are whole 32-row blocks
+    if PARTIAL:
+        tl.store(part_ptr + split * stride_os + columns, acc)
+        _add_splits_if_last(part_ptr + columns, out_ptr + columns, counter_ptr + group * tiles + pid_w, splits,
+                            stride_os, INTERPRETED)
+    else:
+        tl.store(out_ptr + columns, to_bf16(acc, INTERPRETED))
+
+
+def fits(values: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether ``fp8_gemv`` takes this weight: contiguous, of whole 32x32 scale blocks."""
+    return values.shape[0] % 32 == 0 and values.shape[-1] % 32 == 0 and values.is_contiguous() \
+        and scales.is_contiguous()
+
+
+def fp8_gemv(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor]], quantize: bool,
+             groups: int = 1) -> torch.Tensor:
+    """``x [1, G*K]`` bf16 times one or two FP8 weights ``(values [G*N, K], scales [G*N/32, K/32])``
+    -> ``[1, G*N (+ N2)]`` bf16, the second weight's outputs after the first's (two weights: G = 1);
+    ``quantize``: the activation's FP8 round trip first."""
+    m = x.shape[0]
+    k = x.shape[1] // groups
+    (values, scales), second = weights[0], weights[1:]
+    n = values.shape[0] // groups
+    n2 = second[0][0].shape[0] if second else 0
+    if m != 1 or len(weights) > 2 or (second and groups > 1):
+        raise ValueError(f"fp8_gemv takes one row and one or two weights (one group for two), got {m} rows, "
+                         f"{len(weights)} weights, {groups} groups")
+    for v, sc in weights:
+        if v.shape[1] != k or not fits(v, sc):
+            raise ValueError(f"fp8_gemv takes contiguous weights of whole 32x32 scale blocks and K = {k}, "
+                             f"got {list(v.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    cfg = gemv_config(m)
+    while k % cfg.block_k:  # whole steps (the table's step divides every V4.1 K)
+        cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2)
+    splits, k_per_split = split_count(cfg, n + n2, k, groups, sm_count(x.device))
+    width = groups * n + n2
+    out = torch.empty(m, width, dtype=torch.bfloat16, device=x.device)
+    partials = torch.empty(splits, m, width, dtype=torch.float32, device=x.device) if splits > 1 else out
+    w, s = values.view(torch.uint8), scales.view(torch.uint8)
+    w2, s2 = (second[0][0].view(torch.uint8), second[0][1].view(torch.uint8)) if second else (w, s)
+    tiles = triton.cdiv(n, cfg.block_w) + triton.cdiv(n2, cfg.block_w)
+    _fp8_gemv_kernel[(tiles, splits, groups)](
+        x, w, s, w2, s2, out, partials, split_counters(x.device, tiles * groups), n, n2, k, k_per_split, splits,
+        m * width, BLOCK_W=cfg.block_w, BLOCK_K=cfg.block_k, QUANTIZE=quantize, PARTIAL=splits > 1,
+        INTERPRETED=INTERPRETED, num_warps=cfg.num_warps)
+    return out
+
+
+MAX_TILES = 1 << 16  # counters per device: the row tiles (x groups) of one launch
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The device's tile counters (int32 zeros; every launch leaves them at zero). Made at the first
+    call, which must not be inside a CUDA graph capture (the engine runs every graph's forward once
+    eagerly before capturing it)."""
+    if tiles > MAX_TILES:
+        raise ValueError(f"{tiles} row tiles exceed the {MAX_TILES} split counters")
+    counters = _counters.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the split counters must exist before a CUDA graph is captured")
+        counters = _counters[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return counters

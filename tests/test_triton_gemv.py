@@ -1,0 +1,113 @@
+"""The one-token FP8 products on the CUDA cores (``model/kernels/triton_gemv.py``) against the
+reference arithmetic, in Triton's interpreter at tiny shapes (on CUDA: the same shapes on the GPU;
+``test_triton_kernels_gpu.py`` runs the real ones through the backend).
+
+Tolerance: ``assert_close_to_reference`` (one bf16 ulp of the value plus 2**-16 of the row's largest
+output), as for every product whose fp32 sums run in another order than the reference's: the kernel
+sums a thread's exact products over all of K, the reference block by block (``test_triton_kernels.py``'s
+docstring derives the bound).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from model.config import WeightFormat  # noqa: E402
+from model.kernels import tile_configs, triton_gemv  # noqa: E402
+from model.kernels.reference import ReferenceKernels  # noqa: E402
+from model.kernels.triton_gemv import fp8_gemv  # noqa: E402
+from tests.kernel_checks import device  # noqa: E402
+from tests.test_triton_kernels import assert_close_to_reference, random_weight  # noqa: E402
+
+REFERENCE = ReferenceKernels(batch_invariant=False)
+
+
+def _config(monkeypatch, block_w: int, block_k: int, programs_per_sm: int, max_splits: int = 64,
+            sms: int = 132) -> None:
+    cfg = tile_configs.DecodeConfig(block_w, block_k, 4, 1, programs_per_sm, max_splits=max_splits)
+    monkeypatch.setattr(tile_configs, "_GEMV_TABLE", ((1, cfg),))
+    monkeypatch.setattr(triton_gemv, "sm_count", lambda device: sms)
+
+
+@pytest.mark.parametrize("block_w,block_k,programs_per_sm,max_splits,sms,k", [
+    (16, 256, 1, 64, 132, 384),  # one split, one item per program: the bf16 output stored directly
+    (8, 128, 64, 64, 132, 384),  # every K step a split: fp32 partials added in split order
+    (32, 512, 1, 64, 132, 384),  # a step wider than K: halved until it divides K
+    (8, 128, 64, 3, 132, 640),  # 5 steps in splits of 2: the last split one step long
+    (8, 128, 4, 2, 1, 640),  # 2 splits of 3 and 2 steps (few SMs)
+])
+def test_one_weight_matches_reference(monkeypatch, block_w, block_k, programs_per_sm, max_splits, sms, k):
+    _config(monkeypatch, block_w, block_k, programs_per_sm, max_splits, sms)
+    gen = torch.Generator().manual_seed(block_w + block_k + k)
+    weight = random_weight(WeightFormat.FP8, 96, k, gen)
+    x = (torch.randn(1, k, generator=gen) * 3).bfloat16()
+    ref = REFERENCE.quantized_linear(x, weight)
+    on = weight.to(device())
+    got = fp8_gemv(x.to(device()), [(on.values, on.scales)], quantize=True).cpu()
+    assert_close_to_reference(got, ref)
+    assert torch.equal(fp8_gemv(x.to(device()), [(on.values, on.scales)], quantize=True).cpu(), got)  # deterministic
+    # the last split of each tile added the partials and set its counter back to zero
+    assert not any(counters.any() for counters in triton_gemv._counters.values())
+
+
+@pytest.mark.parametrize("programs_per_sm", [1, 64])
+def test_two_weights_in_one_launch_match_each_alone(monkeypatch, programs_per_sm):
+    _config(monkeypatch, 16, 128, programs_per_sm)
+    gen = torch.Generator().manual_seed(programs_per_sm)
+    first, second = random_weight(WeightFormat.FP8, 64, 256, gen), random_weight(WeightFormat.FP8, 160, 256, gen)
+    x = torch.randn(1, 256, generator=gen).bfloat16()
+    refs = [REFERENCE.quantized_linear(x, w) for w in (first, second)]
+    first, second = first.to(device()), second.to(device())
+    both = fp8_gemv(x.to(device()), [(first.values, first.scales), (second.values, second.scales)], quantize=True)
+    assert both.shape == (1, 64 + 160)
+    assert_close_to_reference(both[:, :64].cpu(), refs[0])
+    assert_close_to_reference(both[:, 64:].cpu(), refs[1])
+    alone = fp8_gemv(x.to(device()), [(second.values, second.scales)], quantize=True)
+    if programs_per_sm == 1:  # the same split alone and together: the same bits
+        assert torch.equal(both[:, 64:], alone)
+
+
+def test_grouped_unquantized_matches_reference(monkeypatch):
+    _config(monkeypatch, 8, 128, 16)
+    gen = torch.Generator().manual_seed(3)
+    weight = random_weight(WeightFormat.FP8, 3 * 64, 256, gen)
+    x = torch.randn(1, 3, 256, generator=gen).bfloat16()
+    ref = REFERENCE.grouped_dequantized_linear(x, weight)
+    on = weight.to(device())
+    got = fp8_gemv(x.reshape(1, -1).to(device()), [(on.values, on.scales)], quantize=False, groups=3)
+    assert_close_to_reference(got.view(1, 3, 64).cpu(), ref)
+
+
+def test_backend_runs_two_projections_of_one_token_together(monkeypatch):
+    """``quantized_linears`` at one token: one launch for both, the same values as one by one; at two
+    tokens, and in the batch-invariant mode, the one-by-one products themselves."""
+    from model.kernels.triton_backend import TritonKernels
+
+    _config(monkeypatch, 16, 128, 1)
+    gen = torch.Generator().manual_seed(5)
+    weights = [random_weight(WeightFormat.FP8, n, 256, gen).to(device()) for n in (64, 96)]
+    x = torch.randn(2, 256, generator=gen).bfloat16().to(device())
+    launches = []
+    real = triton_gemv.fp8_gemv
+    monkeypatch.setattr(triton_gemv, "fp8_gemv", lambda *a, **kw: launches.append(len(a[1])) or real(*a, **kw))
+    for kernels in (TritonKernels(), TritonKernels(batch_invariant=True)):
+        for rows in (x[:1], x):
+            launches.clear()
+            together = kernels.quantized_linears(rows, weights)
+            one_by_one = [kernels.quantized_linear(rows, w) for w in weights]
+            vector_form = rows.shape[0] == 1 and not kernels.batch_invariant
+            assert launches == ([2, 1, 1] if vector_form else []), launches
+            for got, alone in zip(together, one_by_one):  # K's two steps split in two, together or alone
+                assert got.shape == alone.shape and torch.equal(got, alone)
+
+
+def test_rejects_what_it_does_not_compute():
+    gen = torch.Generator().manual_seed(0)
+    w = random_weight(WeightFormat.FP8, 64, 128, gen).to(device())
+    with pytest.raises(ValueError, match="one row"):
+        fp8_gemv(torch.zeros(2, 128, dtype=torch.bfloat16, device=device()), [(w.values, w.scales)], quantize=True)
+    with pytest.raises(ValueError, match="K = 96"):
+        fp8_gemv(torch.zeros(1, 96, dtype=torch.bfloat16, device=device()), [(w.values, w.scales)], quantize=True)
