@@ -184,9 +184,10 @@ def main() -> int:
         # At 64 heads of 512 the output accumulator takes 128 registers per thread and the compiler keeps
         # some addressing in local memory: measured faster than every spill-free layout (the kernel's
         # docstring), so only the narrower width is held spill-free.
-        check(f"sparse_attention D={head_dim} heads/program={block_h} split={split}", attention._sparse_attention_kernel,
-              types, {"BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_L": attention.BLOCK_L,
-                      "EMPTY_MAX": attention.EMPTY_MAX, "SPLIT": split, "INTERPRETED": False},
+        check(f"sparse_attention D={head_dim} heads/program={block_h} split={split}",
+              attention._sparse_attention_kernel, types,
+              {"BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_L": attention.BLOCK_L,
+               "EMPTY_MAX": attention.EMPTY_MAX, "SPLIT": split, "INTERPRETED": False},
               options={"num_warps": warps, "num_stages": attention.NUM_STAGES, "enable_fp_fusion": False},
               aligned=("q_ptr", "pool_ptr", "index_ptr", "valid_ptr", "sink_ptr", "out_ptr", "max_ptr", "sum_ptr",
                        *sizes.split()),

@@ -18,8 +18,8 @@ of its sequence are shared by thousands of queries, which would otherwise each g
 launch for a whole layer, any T, L and R: no shape depends on the values, so a decode step replays
 it in a CUDA graph.
 
-Grid: one program per query row and block of up to 64 heads (and split, for a few rows: below) (V4.1: all 64 heads of a row in one
-program). The heads are the products' row side, as in FlashMLA's layout: ``scores = q kv^T``
+Grid: one program per query row and block of up to 64 heads (V4.1: all 64 heads of a row in one
+program; a few rows also split their entries, below). The heads are the products' row side, as in FlashMLA's layout: ``scores = q kv^T``
 ``[heads, 64]`` and ``out += p kv`` ``[heads, D]``, so a row's 64 heads fill the 64 rows that Hopper's
 warpgroup instructions take, each 64-entry KV block ``[64, D]`` is gathered from the pool once per
 row (straight into shared memory, one block ahead) and serves every head in both products, and ``p``
