@@ -169,7 +169,8 @@ _counters: dict[torch.device, torch.Tensor] = {}
 def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """The device's tile counters (int32 zeros; every launch leaves them at zero). Made at the first
     call, which must not be inside a CUDA graph capture (the engine runs every graph's forward once
-    eagerly before capturing it)."""
+    eagerly before capturing it). One set per device: two launches running at once (on two streams)
+    would share them, and the engine runs a forward's products on one stream."""
     if tiles > MAX_TILES:
         raise ValueError(f"{tiles} row tiles exceed the {MAX_TILES} split counters")
     counters = _counters.get(device)
