@@ -340,3 +340,16 @@ def test_cpu_and_cuda_agree():
     big = torch.randn(64, 129280, generator=g) * 4
     big_rows = [RowSpec(SamplingParams(temperature=0.8, top_p=0.95), 9, 1000 + i) for i in range(64)]
     assert torch.equal(run(big, big_rows).token_ids, run(big, big_rows, "cuda").token_ids.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_rows_without_top_logprobs_agree_with_cpu():
+    """Without top logprobs CUDA reduces the rows with ``triton_greedy`` (no log_softmax): the same
+    greedy and sampled tokens, chosen logprobs within a few ulps of the CPU's."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(8, 129280, generator=g) * 4
+    rows = [RowSpec(SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i), 3, 50 + i) for i in range(8)]
+    cpu, gpu = run(logits, rows), run(logits, rows, "cuda")
+    assert torch.equal(cpu.token_ids, gpu.token_ids.cpu())
+    torch.testing.assert_close(gpu.logprobs.cpu(), cpu.logprobs, rtol=0, atol=1e-5)

@@ -65,7 +65,7 @@ def main() -> int:
 
     from model.cache_formats import COMPRESSED_KV, INDEX_KEYS, WINDOW_KV
     from model.kernels import (tile_configs, triton_align_pairs, triton_bf16_mm, triton_cache_codec,
-                               triton_decode_mm, triton_engram, triton_gemv, triton_join_lists, triton_fp4_round_trip, triton_hc_coefficients, triton_index_scores,
+                               triton_decode_mm, triton_engram, triton_gemv, triton_greedy, triton_join_lists, triton_fp4_round_trip, triton_hc_coefficients, triton_index_scores,
                                triton_mhc, triton_moe, triton_moe_sum, triton_ngram_hash, triton_rms_norm, triton_rope, triton_route,
                                triton_scaled_mm, triton_sinkhorn, triton_sparse_attention, triton_top_entries)
 
@@ -152,31 +152,51 @@ def main() -> int:
         for quantize, partial in ((True, True), (True, False), (False, True)):  # FP8 linears; wo_a
             check(f"fp8_gemv quantize={quantize} partial={partial} {cfg}", triton_gemv._fp8_gemv_kernel,
                   {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "w2_ptr": "*u8", "s2_ptr": "*u8",
-                   "out_ptr": "*fp32" if partial else "*bf16", **scalars("N N2 K k_per_split stride_os")},
+                   "out_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32",
+                   **scalars("N N2 K k_per_split splits stride_os")},
                   {"BLOCK_W": cfg.block_w, "BLOCK_K": cfg.block_k, "QUANTIZE": quantize, "PARTIAL": partial,
                    "INTERPRETED": False}, cfg, wgmma=False,
-                  aligned=("x_ptr", "w_ptr", "s_ptr", "w2_ptr", "s2_ptr", "out_ptr", "K", "k_per_split", "stride_os"),
+                  aligned=("x_ptr", "w_ptr", "s_ptr", "w2_ptr", "s2_ptr", "out_ptr", "part_ptr", "K", "k_per_split",
+                           "stride_os"),
                   spill_free=True)
+    for same in (False, True):
+        check(f"greedy chunk same={same}", triton_greedy._chunk_kernel,
+              {"raw_ptr": "*fp32", "processed_ptr": "*fp32", "part_ptr": "*fp32",
+               **scalars("V stride_raw stride_processed chunks")},
+              {"CHUNK": triton_greedy.CHUNK, "SAME": same, "INTERPRETED": False}, wgmma=False,
+              options={"num_warps": 8})
+    check("greedy join", triton_greedy._join_kernel,
+          {"part_ptr": "*fp32", "lse_ptr": "*fp32", "token_ptr": "*i64", "chunks": "i32"},
+          {"BLOCK": 32, "INTERPRETED": False}, wgmma=False, options={"num_warps": 1})
     for out_f32 in (False, True):
         check(f"sum_splits out_f32={out_f32}", triton_decode_mm._sum_splits_kernel,
               {"part_ptr": "*fp32", "out_ptr": "*fp32" if out_f32 else "*bf16", "numel": "i32"},
               {"SPLITS": 4, "OUT_F32": out_f32, "BLOCK": 1024, "EXACT_DOT": False}, wgmma=False)
 
     attention = triton_sparse_attention
-    sizes = "H D L stride_qt stride_qh stride_pool stride_it stride_vt stride_ot stride_oh"
-    types = {"q_ptr": "*bf16", "pool_ptr": "*bf16", "index_ptr": "*i64", "valid_ptr": "*u8", "sink_ptr": "*fp32",
-             "out_ptr": "*bf16", "scale": "fp32", **scalars(sizes)}
-    for head_dim, narrow in ((512, False), (512, True), (64, False)):  # V4.1-Flash (both layouts); the tiny models
+    sizes = "H D L split_len stride_qt stride_qh stride_pool stride_it stride_vt stride_ot stride_oh"
+    for head_dim, narrow, split in ((512, False, False), (512, True, False), (512, True, True), (64, False, False)):
+        # V4.1-Flash (both layouts, and a few rows' splits); the tiny models
         block_h, block_d, warps = attention.launch_config(64, head_dim, narrow)
+        types = {"q_ptr": "*bf16", "pool_ptr": "*bf16", "index_ptr": "*i64", "valid_ptr": "*u8", "sink_ptr": "*fp32",
+                 "out_ptr": "*fp32" if split else "*bf16", "max_ptr": "*fp32", "sum_ptr": "*fp32", "scale": "fp32",
+                 **scalars(sizes)}
         # At 64 heads of 512 the output accumulator takes 128 registers per thread and the compiler keeps
         # some addressing in local memory: measured faster than every spill-free layout (the kernel's
         # docstring), so only the narrower width is held spill-free.
-        check(f"sparse_attention D={head_dim} heads/program={block_h}", attention._sparse_attention_kernel, types,
+        check(f"sparse_attention D={head_dim} heads/program={block_h} split={split}",
+              attention._sparse_attention_kernel, types,
               {"BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_L": attention.BLOCK_L,
-               "EMPTY_MAX": attention.EMPTY_MAX, "INTERPRETED": False},
+               "EMPTY_MAX": attention.EMPTY_MAX, "SPLIT": split, "INTERPRETED": False},
               options={"num_warps": warps, "num_stages": attention.NUM_STAGES, "enable_fp_fusion": False},
-              aligned=("q_ptr", "pool_ptr", "index_ptr", "valid_ptr", "sink_ptr", "out_ptr", *sizes.split()),
+              aligned=("q_ptr", "pool_ptr", "index_ptr", "valid_ptr", "sink_ptr", "out_ptr", "max_ptr", "sum_ptr",
+                       *sizes.split()),
               spill_free=head_dim < 512 or narrow, wgmma=block_h >= 64)
+    check("sparse_attention combine_splits", attention._combine_splits_kernel,
+          {"acc_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
+           **scalars("H D SPLITS stride_ot stride_oh")},
+          {"BLOCK_D": 512, "EMPTY_MAX": attention.EMPTY_MAX, "INTERPRETED": False},
+          options={"num_warps": 4, "enable_fp_fusion": False}, wgmma=False, spill_free=True)
 
     outputs = ("sorted_ptr", "start_ptr", "count_ptr", "block_expert_ptr", "block_index_ptr")
     check("align_pairs E=384", triton_align_pairs._align_pairs_kernel,

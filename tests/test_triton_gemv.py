@@ -33,7 +33,7 @@ def _config(monkeypatch, block_w: int, block_k: int, programs_per_sm: int, max_s
 
 
 @pytest.mark.parametrize("block_w,block_k,programs_per_sm,max_splits,sms,k", [
-    (16, 256, 1, 64, 132, 384),  # one split: the bf16 output stored directly
+    (16, 256, 1, 64, 132, 384),  # one split, one item per program: the bf16 output stored directly
     (8, 128, 64, 64, 132, 384),  # every K step a split: fp32 partials added in split order
     (32, 512, 1, 64, 132, 384),  # a step wider than K: halved until it divides K
     (8, 128, 64, 3, 132, 640),  # 5 steps in splits of 2: the last split one step long
@@ -49,6 +49,8 @@ def test_one_weight_matches_reference(monkeypatch, block_w, block_k, programs_pe
     got = fp8_gemv(x.to(device()), [(on.values, on.scales)], quantize=True).cpu()
     assert_close_to_reference(got, ref)
     assert torch.equal(fp8_gemv(x.to(device()), [(on.values, on.scales)], quantize=True).cpu(), got)  # deterministic
+    # the last split of each tile added the partials and set its counter back to zero
+    assert not any(counters.any() for counters in triton_gemv._counters.values())
 
 
 @pytest.mark.parametrize("programs_per_sm", [1, 64])

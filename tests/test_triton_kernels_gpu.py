@@ -71,6 +71,23 @@ def test_two_projections_of_one_token_real_shapes(kernels, pair):
         assert_close_to_reference(got, reference.quantized_linear(x, weight))
 
 
+def test_one_token_split_counters_give_the_same_bits_every_launch(kernels):
+    """The one-token form's splits are added by the last program of each row tile to arrive (a counter
+    per tile): 200 back-to-back launches of a many-split product give the first one's bits, and the
+    counters end at zero (the reference check above covers the values)."""
+    from model.kernels import triton_gemv
+
+    _, _, decode_k = kernels
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    weight = fp8_weight(*FP8_SHAPES["wkv"], gen)  # 32 row tiles: K split many ways
+    x = torch.randn(1, FP8_SHAPES["wkv"][1], device="cuda", generator=gen).bfloat16()
+    first = decode_k.quantized_linear(x, weight)
+    outs = [decode_k.quantized_linear(x, weight) for _ in range(200)]
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, first) for out in outs)
+    assert not any(counters.any() for counters in triton_gemv._counters.values())
+
+
 def test_fp8_linear_prefill_rows_equal_decode_rows(kernels):
     triton_k, _, _ = kernels
     gen = torch.Generator(device="cuda").manual_seed(11)

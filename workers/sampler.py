@@ -152,11 +152,19 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if logits.dim() != 2 or tuple(logits.shape) != (batch.num_rows, batch.vocab_size):
         raise ValueError(f"logits shape {tuple(logits.shape)} != {(batch.num_rows, batch.vocab_size)}")
     logits = logits.to(torch.float32)
-    raw_logprobs = torch.log_softmax(logits, dim=-1)  # the model's distribution (see top)
-
     processed = apply_penalties_and_bias(logits, batch)
-    # torch.argmax returns the first maximal index: ties go to the lowest token id.
-    token_ids = torch.argmax(processed, dim=-1)
+    n = min(batch.max_num_logprobs, batch.vocab_size)
+    if logits.is_cuda and n == 0:
+        # two launches for any number of rows, where torch reduces each row in one block (slow for a
+        # few rows); its argmax is torch's, its logprob torch's to a few ulps (triton_greedy.py)
+        from model.kernels.triton_greedy import row_lse_and_argmax
+
+        raw_logprobs = None
+        lse, token_ids = row_lse_and_argmax(logits, processed)
+    else:
+        raw_logprobs = torch.log_softmax(logits, dim=-1)  # the model's distribution (see top)
+        # torch.argmax returns the first maximal index: ties go to the lowest token id.
+        token_ids = torch.argmax(processed, dim=-1)
     rows = batch.sample_rows
     if rows.numel() > 0:
         x = processed.index_select(0, rows) / batch.temperature.index_select(0, rows)[:, None]
@@ -171,9 +179,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         drawn = gumbel_argmax(x, batch.keys.index_select(0, rows), batch.mixed_tokens)
         token_ids = token_ids.index_copy(0, rows, drawn)
 
-    chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
+    if raw_logprobs is None:
+        chosen = logits.gather(1, token_ids[:, None]).squeeze(1) - lse
+    else:
+        chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
     top_ids = top_vals = None
-    n = min(batch.max_num_logprobs, batch.vocab_size)
     if n > 0:
         top_vals, top_ids = torch.topk(raw_logprobs, n, dim=-1, largest=True, sorted=True)
     return SamplerOutput(token_ids, chosen, top_ids, top_vals)

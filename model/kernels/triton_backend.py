@@ -43,9 +43,9 @@ class TritonKernels(KernelBackend):
     """``batch_invariant``: every product in its prefill form, whose rows never depend on M (see
     ``triton_bf16_mm``); otherwise the FP8 products of one token take the matrix-vector form
     (``triton_gemv``, two projections of one input in one launch) and those of at most
-    ``decode_mm.MAX_TOKENS`` rows the split-K decode form (``triton_decode_mm``). The sparse
-    attention is one launch per layer (``triton_sparse_attention``), where its torch twin takes ~120
-    small kernels; mHC's coefficients take two (``triton_hc_coefficients``) instead of ~140; RMSNorm, RoPE, the FP8/FP4 round trips,
+    ``decode_mm.MAX_TOKENS`` rows the split-K decode form (``triton_decode_mm``). The sparse attention is one launch per layer
+    (``triton_sparse_attention``), where its torch twin takes ~120 small kernels; mHC's coefficients
+    take two (``triton_hc_coefficients``) instead of ~140; RMSNorm, RoPE, the FP8/FP4 round trips,
     mHC's collapse and expand, the shared expert's SwiGLU and the MoE's routing and expert sum one each; the
     indexer's scores read each sequence's keys in place (``triton_index_scores``) instead of a
     per-query copy, and its top-k is a threshold search (``triton_top_entries``) instead of two sorts;

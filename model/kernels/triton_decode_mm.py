@@ -170,7 +170,7 @@ def split_count(cfg: DecodeConfig, n: int, k: int, groups: int, sms: int) -> tup
     return triton.cdiv(steps, steps_per_split), steps_per_split * cfg.block_k
 
 
-def sum_splits(partials: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _sum_splits(partials: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     numel, block = out.numel(), 1024
     _sum_splits_kernel[(triton.cdiv(numel, block),)](partials, out, numel, SPLITS=partials.shape[0],
                                                      OUT_F32=out.dtype == torch.float32, BLOCK=block,
@@ -208,7 +208,7 @@ def fp8_decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -
         q, q_scales, w, s, target, m, n, k, k_per_split, q.stride(0), q_scales.stride(0), w.stride(0), s.stride(0),
         m * n, n, BLOCK_T=block_t, BLOCK_W=cfg.block_w, PARTIAL=splits > 1, EXACT_DOT=INTERPRETED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return sum_splits(target, out) if splits > 1 else out
+    return _sum_splits(target, out) if splits > 1 else out
 
 
 def decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None, fmt: WeightFormat,
@@ -241,4 +241,4 @@ def decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None
         B_FMT=FORMAT_CODES[fmt], BLOCK_T=block_t, BLOCK_W=cfg.block_w,
         BLOCK_K=cfg.block_k, PARTIAL=partial, OUT_F32=out_dtype == torch.float32, EXACT_DOT=INTERPRETED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return sum_splits(target, out) if partial else out
+    return _sum_splits(target, out) if partial else out

@@ -28,10 +28,10 @@ its products in fp32 over all of K, then the program adds the threads' sums. The
 each 32-block, scales it, then adds the blocks in order: another fp32 order, within one bf16 ulp
 of the reference's result like the split-K decode form (tested).
 
-K is split so that enough programs stream the weight (``split_count``); the splits' fp32 partials are
-added in split order by ``sum_splits`` (the same bits on every run). That second launch costs ~2 µs
-per product in a one-token step on one H200 (53 of them); letting the last split of each row tile add
-them (a counter per tile, as tried on the tensor-core form in e7a42e0) is the next thing to measure.
+K is split so that enough programs stream the weight (``split_count``); each split stores its fp32
+partial and counts itself in its row tile's counter, and the last to arrive adds the tile's partials
+in split order and rounds once (the same bits whichever program comes last), so a product is one
+launch (a second launch to add the splits cost ~2 µs per product in a one-token step on one H200).
 Not batch invariant (the split depends on the shape): used only outside ``--batch-invariant``, like
 ``triton_decode_mm``.
 """
@@ -47,28 +47,43 @@ import triton.language as tl
 
 from .tile_configs import gemv_config
 from .triton_common import INTERPRETED, quantize_blocks, sm_count, to_bf16
-from .triton_decode_mm import split_count, sum_splits
+from .triton_decode_mm import split_count
 
-MAX_TOKENS = 1  # rows it takes: at two the expansion is paid twice; the tensor-core form was faster (one H200)
+MAX_TOKENS = 1  # rows it takes: at two the expansion is paid twice and the tensor-core form was faster (one H200)
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, N, N2, K, k_per_split, stride_os,
-                     BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, QUANTIZE: tl.constexpr,
+def _add_splits_if_last(part_ptr, out_ptr, counter_ptr, splits, stride_os, INTERPRETED: tl.constexpr):
+    """Called by every split of a row tile once its partial is stored: the last one to arrive adds the
+    tile's ``splits`` partials (``part_ptr``: split 0's, the others ``stride_os`` apart) in split order,
+    rounds once into ``out_ptr`` and resets the tile's counter (the same bits whichever comes last)."""
+    tl.debug_barrier()  # all of this program's partial is stored before it counts itself
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")  # the others' partials visible after
+    if arrived == splits - 1:
+        # from L2 (".cg"): another program's partial must not come from a stale line of this SM's L1
+        total = tl.load(part_ptr, cache_modifier=".cg")
+        for split in range(1, splits):
+            total += tl.load(part_ptr + split * stride_os, cache_modifier=".cg")
+        tl.store(out_ptr, to_bf16(total, INTERPRETED))
+        tl.atomic_xchg(counter_ptr, 0)  # for the next launch, or the next replay of a CUDA graph
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counter_ptr, N, N2, K, k_per_split,
+                     splits, stride_os, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, QUANTIZE: tl.constexpr,
                      PARTIAL: tl.constexpr, INTERPRETED: tl.constexpr):
     pid_w, split, group = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     BLOCKS: tl.constexpr = BLOCK_K // 32
     # the first weight's row tiles, then the second's (its outputs follow the first's columns)
     tiles = tl.cdiv(N, BLOCK_W)
     if pid_w < tiles:
-        weights, scales, n, tile, first_col = w_ptr, s_ptr, N, pid_w, group * N
+        weights, scales, tile, first_col = w_ptr, s_ptr, pid_w, group * N
     else:
-        weights, scales, n, tile, first_col = w2_ptr, s2_ptr, N2, pid_w - tiles, N
+        weights, scales, tile, first_col = w2_ptr, s2_ptr, pid_w - tiles, N
     x_ptr += group * K
     weights += group * N * K
     scales += (group * N + tile * BLOCK_W) // 32 * (K // 32)  # BLOCK_W divides 32: one row of scales
     rows = tile * BLOCK_W + tl.arange(0, BLOCK_W)
-    row_ok = (rows < n)[:, None, None]
     blocks = tl.arange(0, BLOCKS)
     cols = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]  # [BLOCKS, 32]: a step's columns by scale block
     w_ptrs = weights + rows[:, None, None] * K + cols[None, :, :]
@@ -77,13 +92,13 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, N, N2, K, k_p
     k_end = tl.minimum(k_begin + k_per_split, K)
     # every load is issued one step before its use (the last step reloads its own), so a step's
     # latency overlaps the previous step's arithmetic (two steps ahead measured slower on one H200)
-    raw_next = tl.load(w_ptrs + k_begin, mask=row_ok, other=0)
+    raw_next = tl.load(w_ptrs + k_begin)
     w_exp_next = tl.load(scales + k_begin // 32 + blocks)
     x_next = tl.load(x_ptr + k_begin + cols)
     for k0 in range(k_begin, k_end, BLOCK_K):
         raw, w_exp, x = raw_next, w_exp_next, x_next
         following = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K)
-        raw_next = tl.load(w_ptrs + following, mask=row_ok, other=0)
+        raw_next = tl.load(w_ptrs + following)
         w_exp_next = tl.load(scales + following // 32 + blocks)
         x_next = tl.load(x_ptr + following + cols)
         scale = (w_exp.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # UE8M0 byte e -> 2**(e - 127)
@@ -96,11 +111,13 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, N, N2, K, k_p
         a = a * scale[:, None]
         acc += raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * a[None, :, :]
     acc = tl.sum(tl.sum(acc, axis=2), axis=1)
-    out_ptr += split * stride_os + first_col + rows
+    columns = first_col + rows  # every row exists: N and N2 are whole 32-row blocks
     if PARTIAL:
-        tl.store(out_ptr, acc, mask=rows < n)
+        tl.store(part_ptr + split * stride_os + columns, acc)
+        _add_splits_if_last(part_ptr + columns, out_ptr + columns, counter_ptr + group * tiles + pid_w, splits,
+                            stride_os, INTERPRETED)
     else:
-        tl.store(out_ptr, to_bf16(acc, INTERPRETED), mask=rows < n)
+        tl.store(out_ptr + columns, to_bf16(acc, INTERPRETED))
 
 
 def fits(values: torch.Tensor, scales: torch.Tensor) -> bool:
@@ -134,11 +151,31 @@ def fp8_gemv(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor
     splits, k_per_split = split_count(cfg, n + n2, k, groups, sm_count(x.device))
     width = groups * n + n2
     out = torch.empty(m, width, dtype=torch.bfloat16, device=x.device)
-    target = torch.empty(splits, m, width, dtype=torch.float32, device=x.device) if splits > 1 else out
+    partials = torch.empty(splits, m, width, dtype=torch.float32, device=x.device) if splits > 1 else out
     w, s = values.view(torch.uint8), scales.view(torch.uint8)
     w2, s2 = (second[0][0].view(torch.uint8), second[0][1].view(torch.uint8)) if second else (w, s)
     tiles = triton.cdiv(n, cfg.block_w) + triton.cdiv(n2, cfg.block_w)
     _fp8_gemv_kernel[(tiles, splits, groups)](
-        x, w, s, w2, s2, target, n, n2, k, k_per_split, m * width, BLOCK_W=cfg.block_w, BLOCK_K=cfg.block_k,
-        QUANTIZE=quantize, PARTIAL=splits > 1, INTERPRETED=INTERPRETED, num_warps=cfg.num_warps)
-    return sum_splits(target, out) if splits > 1 else out
+        x, w, s, w2, s2, out, partials, split_counters(x.device, tiles * groups), n, n2, k, k_per_split, splits,
+        m * width, BLOCK_W=cfg.block_w, BLOCK_K=cfg.block_k, QUANTIZE=quantize, PARTIAL=splits > 1,
+        INTERPRETED=INTERPRETED, num_warps=cfg.num_warps)
+    return out
+
+
+MAX_TILES = 1 << 16  # counters per device: the row tiles (x groups) of one launch
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The device's tile counters (int32 zeros; every launch leaves them at zero). Made at the first
+    call, which must not be inside a CUDA graph capture (the engine runs every graph's forward once
+    eagerly before capturing it). One set per device: two launches running at once (on two streams)
+    would share them, and the engine runs a forward's products on one stream."""
+    if tiles > MAX_TILES:
+        raise ValueError(f"{tiles} row tiles exceed the {MAX_TILES} split counters")
+    counters = _counters.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the split counters must exist before a CUDA graph is captured")
+        counters = _counters[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return counters

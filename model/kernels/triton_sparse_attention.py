@@ -19,7 +19,7 @@ launch for a whole layer, any T, L and R: no shape depends on the values, so a d
 it in a CUDA graph.
 
 Grid: one program per query row and block of up to 64 heads (V4.1: all 64 heads of a row in one
-program). The heads are the products' row side, as in FlashMLA's layout: ``scores = q kv^T``
+program; a few rows also split their entries, below). The heads are the products' row side, as in FlashMLA's layout: ``scores = q kv^T``
 ``[heads, 64]`` and ``out += p kv`` ``[heads, D]``, so a row's 64 heads fill the 64 rows that Hopper's
 warpgroup instructions take, each 64-entry KV block ``[64, D]`` is gathered from the pool once per
 row (straight into shared memory, one block ahead) and serves every head in both products, and ``p``
@@ -33,7 +33,14 @@ read by 2-4 programs; microbenchmark, 64 heads of 512, 640 random entries per ro
 SMs idle. So outside the batch-invariant mode up to ``FEW_ROWS`` rows (a small decode step) take 16
 heads per program instead: four programs per row of V4.1's 64 heads. Only the products' instruction
 shape changes (the order of their fp32 sums), not the arithmetic, so the twin's tolerance is the same.
-A row's blocks are never split over programs: a split softmax would change the sums.
+Those rows also split their listed entries over programs (``split_config``: two programs per SM, whole
+blocks each), as flash-decoding does: each split runs the online softmax over its blocks and writes its
+running max, sum and unnormalized output in fp32; ``_combine_splits_kernel`` brings them to the largest
+maximum, adds them in split order, adds the sink and divides. A one-token step of V4.1-Flash then runs
+40 programs per layer instead of 4. The arithmetic differs from the twin in one place: each split
+rounds ``p`` to bf16 against its own running maximum, not the twin's, so more outputs differ from the
+twin by one ulp, within the same bound (``tests/test_triton_sparse_attention.py``). The batch-invariant
+mode never splits.
 
 Every elementwise step is the twin's, in its order: fp32 fusion is off (the twin rounds each
 product and each sum), the division is IEEE's and ``exp`` is CUDA's ``expf`` (what torch runs).
@@ -59,7 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRETED, dot_bf16, exp_f32, to_bf16
+from .triton_common import INTERPRETED, dot_bf16, exp_f32, sm_count, to_bf16
 
 BLOCK_L = 64  # listed entries per online-softmax step: the twin's block
 MAX_BLOCK_H = 64  # heads per program: the warpgroup instructions' 64 rows
@@ -69,10 +76,13 @@ EMPTY_MAX = -1e30  # the twin's start of the running max: finite, so exp(old - n
 
 
 @triton.jit
-def _sparse_attention_kernel(q_ptr, pool_ptr, index_ptr, valid_ptr, sink_ptr, out_ptr, scale, H, D, L,
-                             stride_qt, stride_qh, stride_pool, stride_it, stride_vt, stride_ot, stride_oh,
-                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-                             EMPTY_MAX: tl.constexpr, INTERPRETED: tl.constexpr):
+def _sparse_attention_kernel(q_ptr, pool_ptr, index_ptr, valid_ptr, sink_ptr, out_ptr, max_ptr, sum_ptr, scale,
+                             H, D, L, split_len, stride_qt, stride_qh, stride_pool, stride_it, stride_vt, stride_ot,
+                             stride_oh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+                             EMPTY_MAX: tl.constexpr, SPLIT: tl.constexpr, INTERPRETED: tl.constexpr):
+    # SPLIT: program (row and heads, split) runs the row's entries split * split_len .. (a whole number of
+    # blocks) and writes its running max, sum and unnormalized output (fp32) for _combine_splits_kernel
+    split = tl.program_id(1)
     head_blocks = tl.cdiv(H, BLOCK_H)
     row = (tl.program_id(0) // head_blocks).to(tl.int64)
     offs_h = (tl.program_id(0) % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -85,19 +95,21 @@ def _sparse_attention_kernel(q_ptr, pool_ptr, index_ptr, valid_ptr, sink_ptr, ou
     index_ptr += row * stride_it
     valid_ptr += row * stride_vt
     # the blocks from the first valid entry's to the last's (blocks of holes change nothing)
-    first = L
+    begin = split * split_len
+    end = tl.minimum(begin + split_len, L)
+    first = end
     last = -1
-    for start in range(0, L, BLOCK_L):
+    for start in range(begin, end, BLOCK_L):
         cols = start + offs_l
-        ok = tl.load(valid_ptr + cols, mask=cols < L, other=0) != 0
-        first = tl.minimum(first, tl.min(tl.where(ok, cols, L), axis=0))
+        ok = tl.load(valid_ptr + cols, mask=cols < end, other=0) != 0
+        first = tl.minimum(first, tl.min(tl.where(ok, cols, end), axis=0))
         last = tl.maximum(last, tl.max(tl.where(ok, cols, -1), axis=0))
     acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
     sum_exp = tl.zeros((BLOCK_H,), dtype=tl.float32)
     running_max = tl.full((BLOCK_H,), EMPTY_MAX, dtype=tl.float32)
     for start in range(first - first % BLOCK_L, last + 1, BLOCK_L):
         cols = start + offs_l
-        ok = tl.load(valid_ptr + cols, mask=cols < L, other=0) != 0
+        ok = tl.load(valid_ptr + cols, mask=cols < end, other=0) != 0
         entry = tl.load(index_ptr + cols, mask=ok, other=0).to(tl.int64)
         kv = tl.load(pool_ptr + entry[:, None] * stride_pool + offs_d[None, :],
                      mask=ok[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_L, BLOCK_D]; holes: zeros, not read
@@ -108,6 +120,13 @@ def _sparse_attention_kernel(q_ptr, pool_ptr, index_ptr, valid_ptr, sink_ptr, ou
         sum_exp = sum_exp * rescale + tl.sum(p, axis=1)
         acc = acc * rescale[:, None] + dot_bf16(to_bf16(p, INTERPRETED), kv, INTERPRETED)
         running_max = block_max
+    if SPLIT:
+        splits = tl.num_programs(1)
+        at = (row * splits + split) * H + offs_h  # [T, splits, H] (and D per head for the output)
+        tl.store(max_ptr + at, running_max, mask=h_mask)
+        tl.store(sum_ptr + at, sum_exp, mask=h_mask)
+        tl.store(out_ptr + at[:, None] * D + offs_d[None, :], acc, mask=h_mask[:, None] & d_mask[None, :])
+        return
     sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0)
     # no valid entry (the running max still at its start): the twin's 0 / inf; here 0 / 1, exact zeros
     # as well, without overflowing exp(sink + 1e30)
@@ -116,6 +135,30 @@ def _sparse_attention_kernel(q_ptr, pool_ptr, index_ptr, valid_ptr, sink_ptr, ou
     out = tl.div_rn(acc, sum_exp[:, None])
     tl.store(out_ptr + row * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], to_bf16(out, INTERPRETED),
              mask=h_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _combine_splits_kernel(acc_ptr, max_ptr, sum_ptr, sink_ptr, out_ptr, H, D, SPLITS, stride_ot, stride_oh,
+                           BLOCK_D: tl.constexpr, EMPTY_MAX: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One (row, head): its splits' running maxima, sums and unnormalized outputs brought to the largest
+    maximum and added in split order; then the sink joins the denominator, as in the unsplit kernel."""
+    row, head = tl.program_id(0) // H, tl.program_id(0) % H
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    first = row * SPLITS * H + head  # split s of this (row, head): first + s * H
+    top = tl.load(max_ptr + first)
+    for s in range(1, SPLITS):
+        top = tl.maximum(top, tl.load(max_ptr + first + s * H))
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    sum_exp = 0.0
+    for s in range(0, SPLITS):
+        rescale = exp_f32(tl.load(max_ptr + first + s * H) - top, INTERPRETED)
+        sum_exp = sum_exp + tl.load(sum_ptr + first + s * H) * rescale
+        acc = acc + tl.load(acc_ptr + (first + s * H) * D + offs_d, mask=d_mask, other=0.0) * rescale
+    sink = tl.load(sink_ptr + head)
+    sum_exp = sum_exp + exp_f32(tl.where(top > EMPTY_MAX, sink - top, 0.0), INTERPRETED)
+    out = tl.div_rn(acc, sum_exp)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, to_bf16(out, INTERPRETED), mask=d_mask)
 
 
 def launch_config(h: int, d: int, narrow_heads: bool = False) -> tuple[int, int, int]:
@@ -133,6 +176,15 @@ def few_rows(t: int) -> bool:
     """Whether ``t`` query rows run faster with 16 heads per program than with all of a row's heads in
     one: a few rows (one per sequence of a small decode step) would leave most SMs idle."""
     return t <= FEW_ROWS
+
+
+def split_config(programs: int, length: int, sms: int) -> tuple[int, int]:
+    """(splits, listed entries per split, a whole number of blocks) for a few rows: enough programs
+    for two per SM, at least one block each."""
+    blocks = triton.cdiv(length, BLOCK_L)
+    wanted = min(blocks, max(1, triton.cdiv(2 * sms, programs)))
+    per_split = triton.cdiv(blocks, wanted)
+    return triton.cdiv(blocks, per_split), per_split * BLOCK_L
 
 
 def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, valid: torch.Tensor,
@@ -157,11 +209,24 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, v
         valid = valid.contiguous()
     valid = valid.view(torch.uint8)  # same bytes; a bool pointer is awkward in a kernel
     sink = sink.float().contiguous()
-    block_h, block_d, warps = launch_config(h, d, narrow_heads=not batch_invariant and few_rows(t))
-    grid = (t * triton.cdiv(h, block_h),)
-    _sparse_attention_kernel[grid](
-        q, pool, index, valid, sink, out, float(scale), h, d, length,
+    narrow = not batch_invariant and few_rows(t)
+    block_h, block_d, warps = launch_config(h, d, narrow_heads=narrow)
+    programs = t * triton.cdiv(h, block_h)
+    splits, split_len = split_config(programs, length, sm_count(q.device)) if narrow else (1, length)
+    if splits > 1:
+        acc = torch.empty(t, splits, h, d, dtype=torch.float32, device=q.device)
+        maxima = torch.empty(t, splits, h, dtype=torch.float32, device=q.device)
+        sums = torch.empty_like(maxima)
+        target = acc
+    else:
+        target = maxima = sums = out
+    _sparse_attention_kernel[(programs, splits)](
+        q, pool, index, valid, sink, target, maxima, sums, float(scale), h, d, length, split_len,
         q.stride(0), q.stride(1), pool.stride(0), index.stride(0), valid.stride(0), out.stride(0), out.stride(1),
-        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_L=BLOCK_L, EMPTY_MAX=EMPTY_MAX,
+        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_L=BLOCK_L, EMPTY_MAX=EMPTY_MAX, SPLIT=splits > 1,
         INTERPRETED=INTERPRETED, num_warps=warps, num_stages=NUM_STAGES, enable_fp_fusion=False)
+    if splits > 1:
+        _combine_splits_kernel[(t * h,)](acc, maxima, sums, sink, out, h, d, splits, out.stride(0), out.stride(1),
+                                         BLOCK_D=block_d, EMPTY_MAX=EMPTY_MAX, INTERPRETED=INTERPRETED,
+                                         num_warps=4, enable_fp_fusion=False)
     return out
