@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from model.kernels.triton_align_pairs import MAX_PAIRS, align_pairs  # noqa: E402
+from model.kernels.triton_align_pairs import MAX_PAIRS, align_pairs, chunk_sizes  # noqa: E402
 from model.kernels.triton_moe import align_pairs_torch  # noqa: E402
 from tests.kernel_checks import device  # noqa: E402
 
@@ -35,6 +35,14 @@ def test_matches_the_torch_version(pairs, experts, block):
     gen = torch.Generator().manual_seed(pairs + experts)
     ids = torch.randint(-1, experts + 2, (pairs,), generator=gen)
     assert_same_as_torch(ids, experts, block)
+
+
+def test_chunks_are_as_wide_as_the_step_needs():
+    """The cases above run chunks of 16 to 128 pairs and 16 to 64 blocks (one chunk or several)."""
+    assert chunk_sizes(1, 1) == (16, 16)
+    assert chunk_sizes(6, 7) == (16, 16)  # a one-token step of V4.1-Flash
+    assert chunk_sizes(41, 18) == (64, 32)
+    assert chunk_sizes(300, 400) == (128, 64)
 
 
 def test_one_expert_takes_every_pair_and_none_is_local():
