@@ -66,6 +66,19 @@ def moe_config(pairs_per_expert: float) -> TileConfig:
     return _pick(_MOE_TABLE, pairs_per_expert)
 
 
+# (largest number of pairs, (gate/up splits, down splits)): outside ``--batch-invariant`` the experts of a
+# step of a few tokens split K (``triton_moe``), so that more programs stream the weights: a one-token
+# step has ~6 x 36 gate/up tiles for 132 SMs
+_MOE_SPLIT_TABLE: tuple[tuple[int, tuple[int, int]], ...] = (
+    (6, (4, 2)),
+    (1 << 62, (1, 1)),
+)
+
+
+def moe_splits(pairs: int) -> tuple[int, int]:
+    return _pick(_MOE_SPLIT_TABLE, pairs)
+
+
 def bf16_mm_config(m: int) -> TileConfig:
     return _pick(_BF16_MM_TABLE, m)
 
@@ -87,6 +100,10 @@ class DecodeConfig:
 # layer's FP8 linears in the sweep of ``benchmarks/kernels.py --tune`` on one H200 (docs/benchmarks.md)
 # when they all took this kernel
 _DECODE_MM_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
+    # one token's small bf16 products (router, compressor: 384-1024 x 5120): at most 8 splits. With
+    # 4 programs per SM they took 40 one-step splits and their sum ~9 µs; this ~5.1-7.8 µs on one H200
+    # (the head, 2,020 row tiles, takes one split either way)
+    (1, DecodeConfig(64, 128, 4, 3, 1, max_splits=8)),
     (16, DecodeConfig(64, 128, 4, 3, 4)),
     (64, DecodeConfig(128, 256, 8, 3, 2)),
 )

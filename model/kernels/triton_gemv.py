@@ -28,10 +28,9 @@ its products in fp32 over all of K, then the program adds the threads' sums. The
 each 32-block, scales it, then adds the blocks in order: another fp32 order, within one bf16 ulp
 of the reference's result like the split-K decode form (tested).
 
-K is split so that enough programs stream the weight (``split_count``); each split stores its fp32
-partial and counts itself in its row tile's counter, and the last to arrive adds the tile's partials
-in split order and rounds once (the same bits whichever program comes last), so a product is one
-launch (a second launch to add the splits cost ~2 µs per product in a one-token step on one H200).
+K is split so that enough programs stream the weight (``split_count``); the last split of each row
+tile to arrive adds the tile's fp32 partials in split order and rounds once (``triton_split_sums``:
+the same bits whichever program comes last), so a product is one launch.
 Not batch invariant (the split depends on the shape): used only outside ``--batch-invariant``, like
 ``triton_decode_mm``.
 """
@@ -48,24 +47,9 @@ import triton.language as tl
 from .tile_configs import gemv_config
 from .triton_common import INTERPRETED, quantize_blocks, sm_count, to_bf16
 from .triton_decode_mm import split_count
+from .triton_split_sums import last_to_arrive, reset_counter, split_counters, sum_partials
 
 MAX_TOKENS = 1  # rows it takes: at two the expansion is paid twice and the tensor-core form was faster (one H200)
-
-
-@triton.jit
-def _add_splits_if_last(part_ptr, out_ptr, counter_ptr, splits, stride_os, INTERPRETED: tl.constexpr):
-    """Called by every split of a row tile once its partial is stored: the last one to arrive adds the
-    tile's ``splits`` partials (``part_ptr``: split 0's, the others ``stride_os`` apart) in split order,
-    rounds once into ``out_ptr`` and resets the tile's counter (the same bits whichever comes last)."""
-    tl.debug_barrier()  # all of this program's partial is stored before it counts itself
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")  # the others' partials visible after
-    if arrived == splits - 1:
-        # from L2 (".cg"): another program's partial must not come from a stale line of this SM's L1
-        total = tl.load(part_ptr, cache_modifier=".cg")
-        for split in range(1, splits):
-            total += tl.load(part_ptr + split * stride_os, cache_modifier=".cg")
-        tl.store(out_ptr, to_bf16(total, INTERPRETED))
-        tl.atomic_xchg(counter_ptr, 0)  # for the next launch, or the next replay of a CUDA graph
 
 
 @triton.jit
@@ -114,8 +98,11 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, cou
     columns = first_col + rows  # every row exists: N and N2 are whole 32-row blocks
     if PARTIAL:
         tl.store(part_ptr + split * stride_os + columns, acc)
-        _add_splits_if_last(part_ptr + columns, out_ptr + columns, counter_ptr + group * tiles + pid_w, splits,
-                            stride_os, INTERPRETED)
+        counter_ptr += group * tiles + pid_w
+        if last_to_arrive(counter_ptr, splits):
+            total = sum_partials(part_ptr + columns, splits, stride_os, columns >= 0)
+            tl.store(out_ptr + columns, to_bf16(total, INTERPRETED))
+            reset_counter(counter_ptr)
     else:
         tl.store(out_ptr + columns, to_bf16(acc, INTERPRETED))
 
@@ -161,21 +148,3 @@ def fp8_gemv(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor
         INTERPRETED=INTERPRETED, num_warps=cfg.num_warps)
     return out
 
-
-MAX_TILES = 1 << 16  # counters per device: the row tiles (x groups) of one launch
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The device's tile counters (int32 zeros; every launch leaves them at zero). Made at the first
-    call, which must not be inside a CUDA graph capture (the engine runs every graph's forward once
-    eagerly before capturing it). One set per device: two launches running at once (on two streams)
-    would share them, and the engine runs a forward's products on one stream."""
-    if tiles > MAX_TILES:
-        raise ValueError(f"{tiles} row tiles exceed the {MAX_TILES} split counters")
-    counters = _counters.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the split counters must exist before a CUDA graph is captured")
-        counters = _counters[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return counters

@@ -1,0 +1,65 @@
+"""Split-K partials added in the same launch: the last program of a tile to arrive adds them.
+
+A kernel that splits K over several programs per output tile (``triton_gemv``, the experts' few-pairs
+form in ``triton_moe``) has each program store its fp32 partial sums and then count itself in its
+tile's counter (``last_to_arrive``). The program that counts last loads the tile's partials in split
+order, adds them (``sum_partials``: the same bits whichever program came last), finishes the tile and
+puts the counter back to zero for the next launch. This replaces a second launch that adds the splits
+(``triton_decode_mm``'s ``sum_splits``: ~2 µs per product inside a CUDA graph on one H200).
+
+Memory ordering: a program's partial stores are complete before it counts (a barrier over its
+threads, then an ``acq_rel`` atomic at GPU scope, which orders them before the count); the last
+program's acquire makes every other program's stores visible to it, and it reads them from L2
+(``.cg``) so that no stale line of its own SM's L1 is used.
+
+The counters (``split_counters``) are one int32 array per device, made once and left at zero by every
+launch. They assume the kernels that use them run one at a time per device (one stream): two launches
+running at once would share counters. The engine runs a forward's products on one stream.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_TILES = 1 << 16  # counters per device: the output tiles of one launch
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+@triton.jit
+def last_to_arrive(counter_ptr, splits):
+    """Count this program in its tile's counter once its partial is stored: whether it is the tile's
+    last of ``splits`` (that program adds the partials and must call ``reset_counter``)."""
+    tl.debug_barrier()  # all of this program's partial is stored before it counts itself
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")  # the others' partials visible after
+    return arrived == splits - 1
+
+
+@triton.jit
+def sum_partials(part_ptrs, splits, stride, mask):
+    """The ``splits`` fp32 partials at ``part_ptrs`` (split 0's; the others ``stride`` apart) added in
+    split order."""
+    total = tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    for split in range(1, splits):
+        total += tl.load(part_ptrs + split * stride, mask=mask, other=0.0, cache_modifier=".cg")
+    return total
+
+
+@triton.jit
+def reset_counter(counter_ptr):
+    tl.atomic_xchg(counter_ptr, 0)  # for the next launch, or the next replay of a CUDA graph
+
+
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The device's tile counters (int32 zeros; every launch leaves them at zero). Made at the first
+    call, which must not be inside a CUDA graph capture (the engine runs every graph's forward once
+    eagerly before capturing it)."""
+    if tiles > MAX_TILES:
+        raise ValueError(f"{tiles} output tiles exceed the {MAX_TILES} split counters")
+    counters = _counters.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the split counters must exist before a CUDA graph is captured")
+        counters = _counters[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return counters
