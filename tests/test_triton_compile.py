@@ -114,22 +114,20 @@ def main() -> int:
     index = {name: "*i64" for name in ("pair_token_ptr", "sorted_pair_ptr", "expert_start_ptr", "expert_count_ptr",
                                         "block_expert_ptr", "block_index_ptr")}
     weights = {name: "*u8" for name in ("w1_ptr", "s1_ptr", "w3_ptr", "s3_ptr", "w2_ptr", "s2_ptr")}
-    splits = {"part_ptr": "*fp32", "counter_ptr": "*i32", **scalars("k_per_split splits stride_ps")}
     gate_up = {"x_ptr": "*bf16", "pair_weight_ptr": "*fp32", "h_ptr": "*bf16", "limit": "fp32", **index, **weights,
-               **splits, **scalars("D INTER stride_x stride_we stride_wn stride_se stride_sn stride_h")}
-    down = {"h_ptr": "*bf16", "out_ptr": "*bf16", **index, **weights, **splits,
+               **scalars("D INTER stride_x stride_we stride_wn stride_se stride_sn stride_h")}
+    down = {"h_ptr": "*bf16", "out_ptr": "*bf16", **index, **weights,
             **scalars("INTER D stride_h stride_out stride_we stride_wn stride_se stride_sn")}
     aligned = tuple(name for name in triton_moe._gate_up_kernel.arg_names if name.endswith("_ptr")) + (
         "D", "INTER", "stride_x", "stride_we", "stride_se", "stride_h", "stride_out")
     for _, cfg in tile_configs._MOE_TABLE:
         for b_fmt in (1, 0, 3):  # FP4 rows, FP8, FP4 fragments
-            for split in (False, True) if cfg.block_m == 16 else (False,):  # splits: decode steps only
-                constants = {"B_FMT": b_fmt, "BLOCK_T": cfg.block_m, "BLOCK_W": cfg.block_n,
-                             "BLOCK_K": triton_moe.BLOCK_K, "EVEN_K": True, "SPLIT": split, "INTERPRETED": False}
-                for name, fn, types in (("gate_up", triton_moe._gate_up_kernel, gate_up),
-                                        ("down", triton_moe._down_kernel, down)):
-                    check(f"moe {name} fmt={b_fmt} split={split} {cfg}", fn, types, constants, cfg,
-                          spill_free=b_fmt == 3, aligned=tuple(a for a in aligned if a in fn.arg_names))
+            constants = {"B_FMT": b_fmt, "BLOCK_T": cfg.block_m, "BLOCK_W": cfg.block_n,
+                         "BLOCK_K": triton_moe.BLOCK_K, "EVEN_K": True, "INTERPRETED": False}
+            for name, fn, types in (("gate_up", triton_moe._gate_up_kernel, gate_up),
+                                    ("down", triton_moe._down_kernel, down)):
+                check(f"moe {name} fmt={b_fmt} {cfg}", fn, types, constants, cfg, spill_free=b_fmt == 3,
+                      aligned=tuple(a for a in aligned if a in fn.arg_names))
 
     decode = {"a_ptr": "*bf16", **scalars("M N K k_per_split stride_am stride_ag stride_wn stride_wg stride_sn "
                                            "stride_sg stride_os stride_om")}

@@ -140,36 +140,6 @@ def test_fused_experts_match_reference(fmt, fragments):
     assert_experts_close_to_reference(got, ref)
 
 
-@pytest.mark.parametrize("fmt,fragments", [(WeightFormat.FP4, True), (WeightFormat.FP8, False)],
-                         ids=["fp4-fragments", "fp8"])
-def test_fused_experts_of_a_few_pairs_split_k(monkeypatch, fmt, fragments):
-    """Outside the batch-invariant mode a step of a few pairs splits K (``tile_configs.moe_splits``); the
-    last split of each tile adds the partials (``triton_split_sums``). Uneven splits (3 steps in 2, 2 in
-    2), the reference's tolerance, the same bits on a second call, the counters left at zero, and the
-    batch-invariant mode (no split) within the same tolerance."""
-    from model.kernels import tile_configs, triton_split_sums
-    from model.kernels.triton_backend import TritonKernels
-
-    monkeypatch.setattr(tile_configs, "_MOE_SPLIT_TABLE", ((1 << 62, (2, 2)),))
-    gen = torch.Generator().manual_seed(8)
-    e, d, inter, tokens, top_k = 4, 384, 256, 2, 2  # K steps of 128: gate/up 3, down 2
-    experts = ExpertWeights(random_weight(fmt, inter, d, gen, e), random_weight(fmt, inter, d, gen, e),
-                            random_weight(fmt, d, inter, gen, e), first_expert=0, swiglu_limit=1.0)
-    if fragments:
-        experts = TritonKernels().prepare_experts(experts)
-    x = torch.randn(tokens, d, generator=gen).bfloat16()
-    ids = torch.tensor([0, 2, 2, 3])
-    pair_token = torch.arange(tokens * top_k) // top_k
-    weights = torch.rand(tokens * top_k, generator=gen) * 2
-    ref = ReferenceKernels(batch_invariant=False).expert_outputs(x, pair_token, ids, weights, experts)
-    args = (x.to(device()), pair_token.to(device()), ids.to(device()), weights.to(device()), experts.to(device()))
-    got = TritonKernels().expert_outputs(*args).cpu()
-    assert_experts_close_to_reference(got, ref)
-    assert torch.equal(TritonKernels().expert_outputs(*args).cpu(), got)
-    assert not any(counters.any() for counters in triton_split_sums._counters.values())
-    assert_experts_close_to_reference(TritonKernels(batch_invariant=True).expert_outputs(*args).cpu(), ref)
-
-
 def test_triton_rows_do_not_depend_on_the_batch_in_batch_invariant_mode():
     from model.kernels.triton_backend import TritonKernels
 

@@ -126,9 +126,7 @@ def test_head_logits_real_shape(kernels):
 @pytest.mark.parametrize("fragments", [False, True], ids=["rows", "fragments"])
 @pytest.mark.parametrize("tokens", [1, 7, 64, 300])
 def test_fp4_moe_real_shapes(kernels, tokens, fragments):
-    """Batch invariant, within the reference's tolerance; outside that mode too (a step of a few pairs
-    splits K there: ``tile_configs.moe_splits``)."""
-    triton_k, reference, decode_k = kernels
+    triton_k, reference, _ = kernels
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     experts = ExpertWeights(fp4_stack(EXPERTS, INTER, D, gen), fp4_stack(EXPERTS, INTER, D, gen),
                             fp4_stack(EXPERTS, D, INTER, gen), first_expert=0, swiglu_limit=10.0)
@@ -140,9 +138,7 @@ def test_fp4_moe_real_shapes(kernels, tokens, fragments):
     pair_token = torch.arange(tokens * TOP_K, device="cuda") // TOP_K
     weights = torch.rand(tokens * TOP_K, device="cuda", generator=gen)
     got = triton_k.expert_outputs(x, pair_token, ids, weights, experts)
-    ref = reference.expert_outputs(x, pair_token, ids, weights, experts)
-    assert_experts_close_to_reference(got, ref)
-    assert_experts_close_to_reference(decode_k.expert_outputs(x, pair_token, ids, weights, experts), ref)
+    assert_experts_close_to_reference(got, reference.expert_outputs(x, pair_token, ids, weights, experts))
     one = triton_k.expert_outputs(x[:1], pair_token[:TOP_K], ids[:TOP_K], weights[:TOP_K], experts)
     assert torch.equal(one, got[:TOP_K]), "a token's expert outputs depend on its batch"
 

@@ -66,18 +66,6 @@ def moe_config(pairs_per_expert: float) -> TileConfig:
     return _pick(_MOE_TABLE, pairs_per_expert)
 
 
-# (largest number of pairs, (gate/up splits, down splits)): outside ``--batch-invariant`` the experts of a
-# step of a few tokens split K (``triton_moe``), so that more programs stream the weights: a one-token
-# step has ~6 x 36 gate/up tiles for 132 SMs
-_MOE_SPLIT_TABLE: tuple[tuple[int, tuple[int, int]], ...] = (
-    (6, (4, 2)),
-    (1 << 62, (1, 1)),
-)
-
-
-def moe_splits(pairs: int) -> tuple[int, int]:
-    return _pick(_MOE_SPLIT_TABLE, pairs)
-
 
 def bf16_mm_config(m: int) -> TileConfig:
     return _pick(_BF16_MM_TABLE, m)

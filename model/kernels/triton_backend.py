@@ -123,8 +123,7 @@ class TritonKernels(KernelBackend):
                        pair_weight: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
         if not isinstance(experts.w1, QuantizedWeight):
             return self._plain.expert_outputs(x, pair_token, pair_expert, pair_weight, experts)
-        return fused_experts(x, pair_token, pair_expert, pair_weight.float().contiguous(), experts,
-                             split_k=not self.batch_invariant)
+        return fused_experts(x, pair_token, pair_expert, pair_weight.float().contiguous(), experts)
 
     def sparse_attention(self, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, valid: torch.Tensor,
                          sink: torch.Tensor, scale: float) -> torch.Tensor:

@@ -30,13 +30,6 @@ shared memory several steps ahead (``num_stages``).
 
 Batch invariance: a pair's result depends only on its own row: one fixed ``BLOCK_K`` (so K is summed
 in the same steps by every config), no split-K, one instruction shape for every config.
-
-Except outside ``--batch-invariant`` in a step of a few pairs (``tile_configs.moe_splits``): a
-one-token step gives the kernels ~6 x 36 gate/up and ~6 x 80 down tiles, one or two programs of 4
-warps per SM, too few loads in flight to stream the weights. There K is split (``fused_experts(...,
-split_k=True)``): each split stores its fp32 sums and the last of a tile to arrive adds them in split
-order and runs the epilogue (``triton_split_sums``). Another fp32 order of the same exact products,
-within the same tolerance of the reference (tested); the same bits on every run.
 """
 
 from __future__ import annotations
@@ -46,10 +39,9 @@ import triton
 import triton.language as tl
 
 from . import triton_align_pairs
-from .tile_configs import moe_config, moe_splits
+from .tile_configs import moe_config
 from .triton_common import INTERPRETED, quantize_groups_of_32, to_bf16
 from .triton_scaled_mm import act_quant_bf16
-from .triton_split_sums import last_to_arrive, reset_counter, split_counters, sum_partials
 from .triton_weight_tiles import FP4_FRAGMENTS, format_code, fragment_offsets, fragment_tile, weight_rows
 from .weights import ExpertWeights
 
@@ -101,12 +93,11 @@ def _tile_start(pid_w, K, B_FMT: tl.constexpr, BLOCK_W: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(x_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_ptr, expert_start_ptr, expert_count_ptr,
-                    block_expert_ptr, block_index_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, part_ptr, counter_ptr,
+                    block_expert_ptr, block_index_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
                     D, INTER, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, limit,
-                    k_per_split, splits, stride_ps,
                     B_FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN_K: tl.constexpr, SPLIT: tl.constexpr, INTERPRETED: tl.constexpr):
-    pid_w, pid_b, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                    EVEN_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    pid_w, pid_b = tl.program_id(0), tl.program_id(1)
     expert, row_mask, pairs = _block_rows(block_expert_ptr, block_index_ptr, expert_start_ptr, expert_count_ptr,
                                           sorted_pair_ptr, pid_b, BLOCK_T)
     if expert < 0:
@@ -123,11 +114,7 @@ def _gate_up_kernel(x_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_ptr, exp
     groups = INTER // 16 - pid_w * (BLOCK_W // 16)
     gate = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
     up = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
-    k_begin, k_end = 0, D
-    if SPLIT:  # (the bounds of the unsplit loop stay plain: runtime ones made the prefill tiles spill)
-        k_begin = split * k_per_split
-        k_end = tl.minimum(k_begin + k_per_split, D)
-    for k0 in range(k_begin, k_end, BLOCK_K):
+    for k0 in range(0, D, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + tokens[:, None] * stride_x + offs_k[None, :],
                     mask=row_mask[:, None] & (offs_k[None, :] < D), other=0.0)  # [BLOCK_T, BLOCK_K]
@@ -137,28 +124,6 @@ def _gate_up_kernel(x_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_ptr, exp
         w3 = _expert_tile(w3_ptr, s3_ptr, offs_w, k0, INTER, D, stride_wn, stride_sn, words, scales, groups, B_FMT,
                           BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
         up = _dot(up, w3, tl.trans(a), INTERPRETED)
-    if SPLIT:  # the tile's last split to arrive adds the partials (triton_split_sums) and finishes it
-        rows = (pid_b * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-        part = part_ptr + rows[None, :] * (2 * INTER) + offs_w[:, None]  # gate's columns, then up's
-        mask = row_mask[None, :] & (offs_w[:, None] < INTER)
-        tl.store(part + split * stride_ps, gate, mask=mask)
-        tl.store(part + split * stride_ps + INTER, up, mask=mask)
-        counter_ptr += pid_b * tl.num_programs(0) + pid_w
-        if last_to_arrive(counter_ptr, splits):
-            gate = sum_partials(part, splits, stride_ps, mask)
-            up = sum_partials(part + INTER, splits, stride_ps, mask)
-            reset_counter(counter_ptr)
-            _store_hidden(gate, up, pair_weight_ptr, pairs, row_mask, h_ptr, stride_h, offs_w, INTER, limit, pid_b,
-                          BLOCK_T, BLOCK_W, INTERPRETED)
-    else:
-        _store_hidden(gate, up, pair_weight_ptr, pairs, row_mask, h_ptr, stride_h, offs_w, INTER, limit, pid_b,
-                      BLOCK_T, BLOCK_W, INTERPRETED)
-
-
-@triton.jit
-def _store_hidden(gate, up, pair_weight_ptr, pairs, row_mask, h_ptr, stride_h, offs_w, INTER, limit, pid_b,
-                  BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, INTERPRETED: tl.constexpr):
-    """The gate/up epilogue: fp32 sums ``[BLOCK_W, BLOCK_T]`` -> the block's rows of ``h`` (bf16)."""
     gate = to_bf16(gate, INTERPRETED).to(tl.float32)  # the reference's w1(x) and w3(x) are bf16
     up = to_bf16(up, INTERPRETED).to(tl.float32)
     if limit > 0:
@@ -175,11 +140,10 @@ def _store_hidden(gate, up, pair_weight_ptr, pairs, row_mask, h_ptr, stride_h, o
 
 @triton.jit
 def _down_kernel(h_ptr, out_ptr, sorted_pair_ptr, expert_start_ptr, expert_count_ptr, block_expert_ptr,
-                 block_index_ptr, w2_ptr, s2_ptr, part_ptr, counter_ptr, INTER, D, stride_h, stride_out, stride_we,
-                 stride_wn, stride_se, stride_sn, k_per_split, splits, stride_ps, B_FMT: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 SPLIT: tl.constexpr, INTERPRETED: tl.constexpr):
-    pid_w, pid_b, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                 block_index_ptr, w2_ptr, s2_ptr, INTER, D, stride_h, stride_out, stride_we, stride_wn,
+                 stride_se, stride_sn, B_FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    pid_w, pid_b = tl.program_id(0), tl.program_id(1)
     expert, row_mask, pairs = _block_rows(block_expert_ptr, block_index_ptr, expert_start_ptr, expert_count_ptr,
                                           sorted_pair_ptr, pid_b, BLOCK_T)
     if expert < 0:
@@ -193,28 +157,15 @@ def _down_kernel(h_ptr, out_ptr, sorted_pair_ptr, expert_start_ptr, expert_count
     words, scales = fragment_offsets(INTER, BLOCK_W, BLOCK_K)
     groups = D // 16 - pid_w * (BLOCK_W // 16)
     acc = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
-    k_begin, k_end = 0, INTER
-    if SPLIT:  # (the bounds of the unsplit loop stay plain: runtime ones made the prefill tiles spill)
-        k_begin = split * k_per_split
-        k_end = tl.minimum(k_begin + k_per_split, INTER)
-    for k0 in range(k_begin, k_end, BLOCK_K):
+    for k0 in range(0, INTER, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(h_ptr + rows[:, None] * stride_h + offs_k[None, :],
                     mask=row_mask[:, None] & (offs_k[None, :] < INTER), other=0.0)
         w2 = _expert_tile(w2_ptr, s2_ptr, offs_w, k0, D, INTER, stride_wn, stride_sn, words, scales, groups, B_FMT,
                           BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
         acc = _dot(acc, w2, tl.trans(a), INTERPRETED)
-    out_ptrs = out_ptr + pairs[None, :].to(tl.int64) * stride_out + offs_w[:, None]
-    mask = row_mask[None, :] & (offs_w[:, None] < D)
-    if SPLIT:  # as in _gate_up_kernel
-        part = part_ptr + rows[None, :] * D + offs_w[:, None]
-        tl.store(part + split * stride_ps, acc, mask=mask)
-        counter_ptr += pid_b * tl.num_programs(0) + pid_w
-        if last_to_arrive(counter_ptr, splits):
-            tl.store(out_ptrs, to_bf16(sum_partials(part, splits, stride_ps, mask), INTERPRETED), mask=mask)
-            reset_counter(counter_ptr)
-    else:
-        tl.store(out_ptrs, to_bf16(acc, INTERPRETED), mask=mask)
+    tl.store(out_ptr + pairs[None, :].to(tl.int64) * stride_out + offs_w[:, None], to_bf16(acc, INTERPRETED),
+             mask=row_mask[None, :] & (offs_w[:, None] < D))
 
 
 def align_pairs(pair_expert: torch.Tensor, num_experts: int, block_m: int):
@@ -254,17 +205,9 @@ def align_pairs_torch(pair_expert: torch.Tensor, num_experts: int, block_m: int)
     return sorted_pair, expert_start, counts, block_expert, block_index
 
 
-def _split(k: int, splits: int) -> tuple[int, int]:
-    """(splits, columns per split) of K in whole ``BLOCK_K`` steps, at most ``splits``."""
-    steps = triton.cdiv(k, BLOCK_K)
-    per_split = triton.cdiv(steps, max(1, min(splits, steps)))
-    return triton.cdiv(steps, per_split), per_split * BLOCK_K
-
-
 def fused_experts(x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.Tensor, pair_weight: torch.Tensor,
-                  experts: ExpertWeights, split_k: bool = False) -> torch.Tensor:
-    """Routed expert outputs ``[P, D]`` bf16 of bf16 token rows ``x [N, D]``. ``split_k``: a step of a
-    few pairs may split K (``tile_configs.moe_splits``; not batch invariant, module docstring)."""
+                  experts: ExpertWeights) -> torch.Tensor:
+    """Routed expert outputs ``[P, D]`` bf16 of bf16 token rows ``x [N, D]``."""
     p, d = pair_token.shape[0], x.shape[1]
     out = torch.zeros(p, d, dtype=torch.bfloat16, device=x.device)
     if p == 0:
@@ -281,24 +224,11 @@ def fused_experts(x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.
     common = dict(B_FMT=fmt, BLOCK_T=cfg.block_m, BLOCK_W=cfg.block_n, BLOCK_K=BLOCK_K,
                   EVEN_K=d % BLOCK_K == 0 and inter % BLOCK_K == 0, INTERPRETED=INTERPRETED,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    gate_up_splits, down_splits = moe_splits(p) if split_k else (1, 1)
-    rows = num_blocks * cfg.block_m
-    splits, k_per_split = _split(d, gate_up_splits)
-    tiles = triton.cdiv(inter, cfg.block_n)
-    part = torch.empty(splits, rows, 2 * inter, dtype=torch.float32, device=x.device) if splits > 1 else hidden
-    _gate_up_kernel[(tiles, num_blocks, splits)](
+    _gate_up_kernel[(triton.cdiv(inter, cfg.block_n), num_blocks)](
         x, pair_token, pair_weight, sorted_pair, start, count, block_expert, block_index,
-        w1, s1, w3, s3, hidden, part,
-        split_counters(x.device, tiles * num_blocks) if splits > 1 else count,  # (unread without splits)
-        d, inter, x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
-        hidden.stride(0), float(experts.swiglu_limit), k_per_split, splits, rows * 2 * inter,
-        SPLIT=splits > 1, **common)
-    splits, k_per_split = _split(inter, down_splits)
-    tiles = triton.cdiv(d, cfg.block_n)
-    part = torch.empty(splits, rows, d, dtype=torch.float32, device=x.device) if splits > 1 else out
-    _down_kernel[(tiles, num_blocks, splits)](
-        hidden, out, sorted_pair, start, count, block_expert, block_index, w2, s2, part,
-        split_counters(x.device, tiles * num_blocks) if splits > 1 else count, inter, d,
-        hidden.stride(0), out.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-        k_per_split, splits, rows * d, SPLIT=splits > 1, **common)
+        w1, s1, w3, s3, hidden, d, inter, x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
+        hidden.stride(0), float(experts.swiglu_limit), **common)
+    _down_kernel[(triton.cdiv(d, cfg.block_n), num_blocks)](
+        hidden, out, sorted_pair, start, count, block_expert, block_index, w2, s2, inter, d,
+        hidden.stride(0), out.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), **common)
     return out

@@ -1,11 +1,12 @@
 """Split-K partials added in the same launch: the last program of a tile to arrive adds them.
 
-A kernel that splits K over several programs per output tile (``triton_gemv``, the experts' few-pairs
-form in ``triton_moe``) has each program store its fp32 partial sums and then count itself in its
-tile's counter (``last_to_arrive``). The program that counts last loads the tile's partials in split
+A kernel that splits K over several programs per output tile (``triton_gemv``) has each program
+store its fp32 partial sums and then count itself in its tile's counter (``last_to_arrive``). The program that counts last loads the tile's partials in split
 order, adds them (``sum_partials``: the same bits whichever program came last), finishes the tile and
 puts the counter back to zero for the next launch. This replaces a second launch that adds the splits
-(``triton_decode_mm``'s ``sum_splits``: ~2 µs per product inside a CUDA graph on one H200).
+(``triton_decode_mm``'s ``sum_splits``: ~2 µs per product inside a CUDA graph on one H200). (The
+routed experts split this way at one to eight tokens were no faster on one H200: their programs are
+bound by expanding the FP4 weights, not by how many run at once; ``docs/benchmarks.md``.)
 
 Memory ordering: a program's partial stores are complete before it counts (a barrier over its
 threads, then an ``acq_rel`` atomic at GPU scope, which orders them before the count); the last
