@@ -44,10 +44,7 @@ import triton.language as tl
 from . import triton_sinkhorn
 from .triton_common import INTERPRETED
 
-# stream columns per program: V4.1-Flash's 20,480 make 80 slices. With 512 (40 slices) a one-token call
-# (with the Sinkhorn kernel) took 11.8 µs, with 256 9.7 µs, an 8K-token call 172 -> 206 µs (one H200):
-# a decode step has two calls per layer; an 8K prefill (~225 ms) takes ~0.5 ms longer
-SPLIT_K = 256
+SPLIT_K = 512  # stream columns per program: V4.1-Flash's 20,480 make 40 slices, enough programs for one token
 BLOCK_K = 64  # columns per step
 BLOCK_T = 64  # tokens per program, at every T: one tensor-core instruction shape (the rows' sums never change)
 PARTIAL_COLS = 32  # the (2 + hc) * hc = 24 mixes of hc = 4, their sum of squares, padding
