@@ -100,7 +100,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, cou
         tl.store(part_ptr + split * stride_os + columns, acc)
         counter_ptr += group * tiles + pid_w
         if last_to_arrive(counter_ptr, splits):
-            total = sum_partials(part_ptr + columns, splits, stride_os, columns >= 0)
+            every_column = columns >= 0  # (no mask needed: every row exists)
+            total = sum_partials(part_ptr + columns, splits, stride_os, every_column)
             tl.store(out_ptr + columns, to_bf16(total, INTERPRETED))
             reset_counter(counter_ptr)
     else:
