@@ -66,7 +66,6 @@ def moe_config(pairs_per_expert: float) -> TileConfig:
     return _pick(_MOE_TABLE, pairs_per_expert)
 
 
-
 def bf16_mm_config(m: int) -> TileConfig:
     return _pick(_BF16_MM_TABLE, m)
 

@@ -4,7 +4,7 @@ A kernel that splits K over several programs per output tile (``triton_gemv``) h
 store its fp32 partial sums and then count itself in its tile's counter (``last_to_arrive``). The program that counts last loads the tile's partials in split
 order, adds them (``sum_partials``: the same bits whichever program came last), finishes the tile and
 puts the counter back to zero for the next launch. This replaces a second launch that adds the splits
-(``triton_decode_mm``'s ``sum_splits``: ~2 µs per product inside a CUDA graph on one H200). (The
+(``triton_decode_mm``'s ``_sum_splits_kernel``: ~2 µs per product inside a CUDA graph on one H200). (The
 routed experts split this way at one to eight tokens were no faster on one H200: their programs are
 bound by expanding the FP4 weights, not by how many run at once; ``docs/benchmarks.md``.)
 
