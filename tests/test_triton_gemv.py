@@ -14,11 +14,14 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 from model.config import WeightFormat  # noqa: E402
 from model.kernels import tile_configs, triton_gemv, triton_split_sums  # noqa: E402
 from model.kernels.reference import ReferenceKernels  # noqa: E402
+from model.kernels.triton_common import INTERPRETED  # noqa: E402
 from model.kernels.triton_gemv import fp8_gemv  # noqa: E402
+from model.kernels.triton_weight_tiles import e4m3_words_to_f32  # noqa: E402
 from tests.kernel_checks import device  # noqa: E402
 from tests.test_triton_kernels import assert_close_to_reference, random_weight  # noqa: E402
 
@@ -111,3 +114,23 @@ def test_rejects_what_it_does_not_compute():
         fp8_gemv(torch.zeros(2, 128, dtype=torch.bfloat16, device=device()), [(w.values, w.scales)], quantize=True)
     with pytest.raises(ValueError, match="K = 96"):
         fp8_gemv(torch.zeros(1, 96, dtype=torch.bfloat16, device=device()), [(w.values, w.scales)], quantize=True)
+
+
+
+@triton.jit
+def _expand_words(words_ptr, out_ptr, WORDS: tl.constexpr, INTERPRETED: tl.constexpr):
+    rows = tl.arange(0, 4)[:, None]
+    words = tl.load(words_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + rows * WORDS + tl.arange(0, WORDS)[None, :])
+    tl.store(out_ptr + rows * (4 * WORDS) + tl.arange(0, 4 * WORDS)[None, :], e4m3_words_to_f32(words, INTERPRETED))
+
+
+def test_e4m3_words_expand_to_every_value_exactly():
+    """``e4m3_words_to_f32`` (inline PTX on the GPU, tensor operations in the interpreter): each of the
+    254 finite e4m3 bytes, subnormals and -0.0 included, at each of a word's four byte positions, gives
+    torch's value of that byte, bit for bit and in memory order."""
+    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F] + [0x00, 0x80], dtype=torch.uint8)  # 256
+    rows = torch.stack([finite.roll(shift) for shift in (0, 1, 2, 3)])  # every byte at every position
+    out = torch.empty(4, 256, dtype=torch.float32, device=device())
+    _expand_words[(1,)](rows.to(device()), out, WORDS=64, INTERPRETED=INTERPRETED)
+    expected = rows.view(torch.float8_e4m3fn).float()
+    assert torch.equal(out.cpu().view(torch.int32), expected.view(torch.int32))

@@ -14,13 +14,16 @@ activation quantized by a launch of its own. At one token the bytes are everythi
 loads 16-byte chunks of weight straight into registers (``BLOCK_W`` rows x ``BLOCK_K`` columns per
 program and step, the next step's loaded before the current one is used), expands them to fp32 and
 multiplies on the CUDA cores; each program quantizes the activation columns it reads (hundreds of
-values against thousands of weight bytes), so there is no ``act_quant`` launch. On one H200 a
-V4.1-Flash layer's nine FP8 projections (one CUDA graph) took 112 instead of 136 µs, and a one-token
-decode step of the 8-layer config 3.17 instead of 3.35 ms (``docs/benchmarks.md``). The large weights
-still stream at ~1.8 TB/s: the loop spends ~7 instructions per weight byte and thread (the e4m3
-expansion alone ~3). Tried and not kept (same sweep): loads two steps ahead (146 µs per layer: fewer
-programs fit an SM) and persistent programs walking several row tiles with their loads running
-ahead across tiles (158-330 µs: the per-step work items' addressing and fewer resident programs).
+values against thousands of weight bytes), so there is no ``act_quant`` launch. The weight is loaded
+as int32 words and expanded by a few lines of PTX (``e4m3_words_to_f32``): 1.5 instructions per value
+where the compiler's expansion of a byte tensor took ~5 (it moved every byte to a register of its own
+and packed the pairs back for the conversion). On one H200 that made a V4.1-Flash layer's nine FP8
+projections (one CUDA graph) 119 -> 88 µs and a one-token decode step of the 8-layer config 3.03 ->
+2.75 ms (``docs/benchmarks.md``); the loop now spends ~4 instructions per weight byte and thread,
+2.5 of them the expansion and the product. Tried and not kept (byte loads, an earlier sweep): loads
+two steps ahead (fewer programs fit an SM) and persistent programs walking several row tiles with
+their loads running ahead across tiles (the per-step work items' addressing and fewer resident
+programs).
 
 Arithmetic: every product of a (quantized) activation value and an e4m3 weight value is exact, and
 so is it times the two block scales (powers of two), which go onto the activation; each thread sums
@@ -48,6 +51,7 @@ from .tile_configs import gemv_config
 from .triton_common import INTERPRETED, quantize_blocks, sm_count, to_bf16
 from .triton_decode_mm import split_count
 from .triton_split_sums import last_to_arrive, reset_counter, split_counters, sum_partials
+from .triton_weight_tiles import e4m3_words_to_f32
 
 MAX_TOKENS = 1  # rows it takes: at two the expansion is paid twice and the tensor-core form was faster (one H200)
 
@@ -70,19 +74,20 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, cou
     rows = tile * BLOCK_W + tl.arange(0, BLOCK_W)
     blocks = tl.arange(0, BLOCKS)
     cols = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]  # [BLOCKS, 32]: a step's columns by scale block
-    w_ptrs = weights + rows[:, None, None] * K + cols[None, :, :]
+    words = blocks[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BLOCKS, 8]: a step's weight words (4 bytes each)
+    w_ptrs = weights.to(tl.pointer_type(tl.int32), bitcast=True) + rows[:, None, None] * (K // 4) + words[None, :, :]
     acc = tl.zeros((BLOCK_W, BLOCKS, 32), dtype=tl.float32)
     k_begin = split * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     # every load is issued one step before its use (the last step reloads its own), so a step's
     # latency overlaps the previous step's arithmetic (two steps ahead measured slower on one H200)
-    raw_next = tl.load(w_ptrs + k_begin)
+    raw_next = tl.load(w_ptrs + k_begin // 4)
     w_exp_next = tl.load(scales + k_begin // 32 + blocks)
     x_next = tl.load(x_ptr + k_begin + cols)
     for k0 in range(k_begin, k_end, BLOCK_K):
         raw, w_exp, x = raw_next, w_exp_next, x_next
         following = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K)
-        raw_next = tl.load(w_ptrs + following)
+        raw_next = tl.load(w_ptrs + following // 4)
         w_exp_next = tl.load(scales + following // 32 + blocks)
         x_next = tl.load(x_ptr + following + cols)
         scale = (w_exp.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # UE8M0 byte e -> 2**(e - 127)
@@ -93,7 +98,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, cou
         # the block's scales go onto the activation (a power of two: exact), so every product is
         # exact and the sum runs over the whole K without a reduction per block
         a = a * scale[:, None]
-        acc += raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * a[None, :, :]
+        acc += tl.reshape(e4m3_words_to_f32(raw, INTERPRETED), (BLOCK_W, BLOCKS, 32)) * a[None, :, :]
     acc = tl.sum(tl.sum(acc, axis=2), axis=1)
     columns = first_col + rows  # every row exists: N and N2 are whole 32-row blocks
     if PARTIAL:

@@ -6,7 +6,8 @@ columns), 2 = plain bf16, 3 = FP4 in the fragment layout (``fp4_fragments.py``).
 gives a tile of whole weight rows as bf16 with the scales applied, which is exact (e4m3 or e2m1 times
 a power of two): the operand of the decode-form products and of the experts' kernels;
 ``fragment_tile`` gives the same tile of a matrix in the fragment layout, at ~2 instructions per
-value instead of ~7.
+value instead of ~7; ``e4m3_words_to_f32`` expands FP8 weights loaded as int32 words to fp32 (the
+one-token products, ``triton_gemv``) at 1.5 instructions per value.
 """
 
 from __future__ import annotations
@@ -108,6 +109,41 @@ def _e2m1_nibbles_ptx(raw):
     byte shuffles to interleave the nibbles."""
     return tl.inline_asm_elementwise(asm=_E2M1_PTX, constraints="=r,=r,=r,=r,r", args=[raw],
                                      dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+
+
+@triton.jit
+def e4m3_words_to_f32(words, INTERPRETED: tl.constexpr):
+    """int32 tensor ``[..., W]``, each word four e4m3 bytes (the first in the low byte) -> their fp32
+    values ``[..., 4 W]`` in memory order (exact)."""
+    if INTERPRETED:  # no inline assembly in the interpreter: the same values with tensor operations
+        b0 = (words & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        b1 = ((words >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        b2 = ((words >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        b3 = ((words >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(asm=_E4M3_PTX, constraints="=r,=r,=r,=r,r", args=[words],
+                                                   dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+    values = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [..., W, 2, 2]: byte 2 i + j at [i, j] (join adds the last axis)
+    return tl.reshape(values, values.shape[:-3] + [values.shape[-3] * 4])
+
+
+# one word ($4, byte i = value i) -> four fp32 ($0..$3): each pair of bytes to two fp16 by one
+# conversion, each fp16 to fp32 by another (both exact). Loaded as bytes, the compiler's own
+# expansion moves every byte to a register of its own and packs the pairs back first (~5
+# instructions per value instead of 1.5)
+_E4M3_PTX = tl.constexpr("""{
+    .reg .b16 lo, hi, h0, h1, h2, h3;
+    .reg .b32 p01, p23;
+    mov.b32 {lo, hi}, $4;
+    cvt.rn.f16x2.e4m3x2 p01, lo;
+    cvt.rn.f16x2.e4m3x2 p23, hi;
+    mov.b32 {h0, h1}, p01;
+    mov.b32 {h2, h3}, p23;
+    cvt.f32.f16 $0, h0;
+    cvt.f32.f16 $1, h1;
+    cvt.f32.f16 $2, h2;
+    cvt.f32.f16 $3, h3;
+}""")
 
 
 # ---------------------------------------------------------------------------- the fragment layout
