@@ -121,7 +121,9 @@ def test_rejects_what_it_does_not_compute():
 def _expand_words(words_ptr, out_ptr, WORDS: tl.constexpr, INTERPRETED: tl.constexpr):
     rows = tl.arange(0, 4)[:, None]
     words = tl.load(words_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + rows * WORDS + tl.arange(0, WORDS)[None, :])
-    tl.store(out_ptr + rows * (4 * WORDS) + tl.arange(0, 4 * WORDS)[None, :], e4m3_words_to_f32(words, INTERPRETED))
+    b0, b1, b2, b3 = e4m3_words_to_f32(words, INTERPRETED)
+    values = tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (4, 4 * WORDS))  # join adds the last axis
+    tl.store(out_ptr + rows * (4 * WORDS) + tl.arange(0, 4 * WORDS)[None, :], values)
 
 
 def test_e4m3_words_expand_to_every_value_exactly():

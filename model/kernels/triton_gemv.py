@@ -17,19 +17,21 @@ multiplies on the CUDA cores; each program quantizes the activation columns it r
 values against thousands of weight bytes), so there is no ``act_quant`` launch. The weight is loaded
 as int32 words and expanded by a few lines of PTX (``e4m3_words_to_f32``): 1.5 instructions per value
 where the compiler's expansion of a byte tensor took ~5 (it moved every byte to a register of its own
-and packed the pairs back for the conversion). On one H200 that made a V4.1-Flash layer's nine FP8
-projections (one CUDA graph) 119 -> 88 µs and a one-token decode step of the 8-layer config 3.03 ->
-2.75 ms (``docs/benchmarks.md``); the loop now spends ~4 instructions per weight byte and thread,
-2.5 of them the expansion and the product. Tried and not kept (byte loads, an earlier sweep): loads
-two steps ahead (fewer programs fit an SM) and persistent programs walking several row tiles with
-their loads running ahead across tiles (the per-step work items' addressing and fewer resident
-programs).
+and packed the pairs back for the conversion), and each thread keeps one sum per word it holds, not
+one per byte, which took its registers from ~155 to ~53 (more programs fit an SM). On one H200 a
+V4.1-Flash layer's nine FP8 projections (one CUDA graph) went 119 -> 81 µs and a one-token decode
+step of the 8-layer config 3.03 -> 2.65 ms (``docs/benchmarks.md``); the loop spends ~5 instructions
+per weight byte and thread, 2.5 of them the expansion and the product. Tried and not kept: loads two
+steps ahead (90 instead of 81 µs), and, with byte loads, persistent programs walking several row
+tiles with their loads running ahead across tiles (the per-step work items' addressing and fewer
+resident programs).
 
 Arithmetic: every product of a (quantized) activation value and an e4m3 weight value is exact, and
-so is it times the two block scales (powers of two), which go onto the activation; each thread sums
-its products in fp32 over all of K, then the program adds the threads' sums. The reference sums
-each 32-block, scales it, then adds the blocks in order: another fp32 order, within one bf16 ulp
-of the reference's result like the split-K decode form (tested).
+so is it times the two block scales (powers of two), which go onto the activation; each thread adds
+the products of each word's four bytes, in byte order, to that word position's fp32 sum over all of
+K, then the program adds the sums. The reference sums each 32-block, scales it, then adds the blocks
+in order: another fp32 order, within one bf16 ulp of the reference's result like the split-K decode
+form (tested).
 
 K is split so that enough programs stream the weight (``split_count``); the last split of each row
 tile to arrive adds the tile's fp32 partials in split order and rounds once (``triton_split_sums``:
@@ -76,7 +78,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, cou
     cols = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]  # [BLOCKS, 32]: a step's columns by scale block
     words = blocks[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BLOCKS, 8]: a step's weight words (4 bytes each)
     w_ptrs = weights.to(tl.pointer_type(tl.int32), bitcast=True) + rows[:, None, None] * (K // 4) + words[None, :, :]
-    acc = tl.zeros((BLOCK_W, BLOCKS, 32), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_W, BLOCKS, 8), dtype=tl.float32)  # one sum per word position
     k_begin = split * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     # every load is issued one step before its use (the last step reloads its own), so a step's
@@ -97,8 +99,15 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, cou
             scale = a_scale * scale
         # the block's scales go onto the activation (a power of two: exact), so every product is
         # exact and the sum runs over the whole K without a reduction per block
-        a = a * scale[:, None]
-        acc += tl.reshape(e4m3_words_to_f32(raw, INTERPRETED), (BLOCK_W, BLOCKS, 32)) * a[None, :, :]
+        a = tl.reshape(a * scale[:, None], (BLOCKS, 8, 2, 2))  # [block, word, byte // 2, byte % 2]
+        a_even, a_odd = tl.split(a)
+        a0, a2 = tl.split(a_even)
+        a1, a3 = tl.split(a_odd)
+        w0, w1, w2, w3 = e4m3_words_to_f32(raw, INTERPRETED)
+        acc += w0 * a0[None, :, :]
+        acc += w1 * a1[None, :, :]
+        acc += w2 * a2[None, :, :]
+        acc += w3 * a3[None, :, :]
     acc = tl.sum(tl.sum(acc, axis=2), axis=1)
     columns = first_col + rows  # every row exists: N and N2 are whole 32-row blocks
     if PARTIAL:
