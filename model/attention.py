@@ -93,7 +93,11 @@ class Attention:
         eps = cfg.rms_norm_eps
         q_low_rank, kv = project(x, w.wq_a, w.wkv)
         qr = self.kernels.rms_norm(q_low_rank, w.q_norm, eps)
-        q = w.wq_b(qr).unflatten(-1, (cfg.num_heads, cfg.head_dim))
+        if self.role.compress_ratio and self.indexer is not None:  # the indexer's queries come from qr too
+            q, index_q = project(qr, w.wq_b, self.indexer.wq_b)
+        else:
+            q, index_q = w.wq_b(qr), None
+        q = q.unflatten(-1, (cfg.num_heads, cfg.head_dim))
         self.kernels.rotate_(q[..., -rd:], pos, self.rope)
         kv = self.kernels.rms_norm(kv, w.kv_norm, eps)
         self.kernels.rotate_(kv[:, -rd:], pos, self.rope)
@@ -103,7 +107,7 @@ class Attention:
             if self.compressor is not None:
                 self.compressor(x, batch, cache, self.rope)
             if self.indexer is not None:
-                self._select(x, qr, batch, cache, state)
+                self._select(x, index_q, batch, cache, state)
         if batch.num_tokens:
             pool, index, valid, widths = self._gather_entries(kv, batch, cache, state)
             if self.reference_layout:
@@ -117,11 +121,11 @@ class Attention:
         return w.wo_b(self._grouped_output(o))
 
     # ------------------------------------------------------------------ compressed entries
-    def _select(self, x, qr, batch: ForwardBatch, cache: V41Cache, state: ForwardState) -> None:
+    def _select(self, x, index_q, batch: ForwardBatch, cache: V41Cache, state: ForwardState) -> None:
         """Run this layer's indexer over the batch and publish its selection (and candidates)."""
         candidates = state.candidates if self.indexer.uses_candidates else None
         selection, published = self.indexer.select_all(
-            x, qr, batch, cache, self.rope, state.index_key_layer[self.role.layer_id], candidates,
+            x, index_q, batch, cache, self.rope, state.index_key_layer[self.role.layer_id], candidates,
             per_sequence=self.reference_layout)
         state.selections[self.role.layer_id] = selection
         if self.role.is_candidate_source:

@@ -95,9 +95,10 @@ class Indexer:
         self.weights_proj.to(device)
         return self
 
-    def queries(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, rope: RotaryTable):
-        """Index queries [T, H, d] (RoPE'd, FP4 round trip) and per-head weights [T, H] for all tokens."""
-        q = self.wq_b(qr).unflatten(-1, (self.num_heads, self.head_dim))
+    def queries(self, x: torch.Tensor, projected: torch.Tensor, positions: torch.Tensor, rope: RotaryTable):
+        """Index queries [T, H, d] (RoPE'd, FP4 round trip) and per-head weights [T, H] for all tokens, from
+        ``projected = wq_b(qr)`` [T, H * d] (the attention projects it with its own ``wq_b``: one launch)."""
+        q = projected.unflatten(-1, (self.num_heads, self.head_dim))
         self.kernels.rotate_(q[..., -self.rope_dims:], positions, rope)
         q = self.kernels.fp4_round_trip(q, 32, e4m3_scale=False)
         weights = self.weights_proj(x) * self.weight_scale
@@ -143,7 +144,7 @@ class Indexer:
         return (per_head.relu_() * weights.unsqueeze(-1)).sum(dim=1)
 
     # ------------------------------------------------------------------ whole batch
-    def select_all(self, x: torch.Tensor, qr: torch.Tensor, batch: ForwardBatch, cache: V41Cache, rope: RotaryTable,
+    def select_all(self, x: torch.Tensor, projected: torch.Tensor, batch: ForwardBatch, cache: V41Cache, rope: RotaryTable,
                    key_layers: list[int], candidates: torch.Tensor | None,
                    per_sequence: bool) -> tuple[TokenSelection, torch.Tensor | None]:
         """Selections of every query of the batch, and the candidate mask [T, E] the candidate source
@@ -151,8 +152,8 @@ class Indexer:
 
         ``per_sequence`` scores each sequence's chunk with one product, as the reference does in its
         prefill (used to reproduce it bit for bit); otherwise each query is its own product, all
-        sequences at once, keys padded to the longest sequence."""
-        q, weights = self.queries(x, qr, batch.positions, rope)
+        sequences at once, keys padded to the longest sequence. ``projected``: ``wq_b(qr)`` (``queries``)."""
+        q, weights = self.queries(x, projected, batch.positions, rope)
         layout = batch.layout
         num_keys = layout.seq_end // self.ratio  # visible entries at the end of each chunk
         if batch.padded:  # a fixed width, so that the shapes do not depend on the batch's values

@@ -153,7 +153,9 @@ def test_triton_rows_do_not_depend_on_the_batch_in_batch_invariant_mode():
 
 
 def test_tiny_model_with_triton_kernels_matches_reference(tiny_checkpoint):
-    """The whole tiny model with ``kernels="triton"`` against the reference arithmetic."""
+    """The whole tiny model with ``kernels="triton"`` against the reference arithmetic: a 24-token
+    prefill, then a one-token decode step (the one-token forms: two projections of a token in one
+    launch, the attention's ``wq_b`` with its indexer's)."""
     from model.batch import ForwardBatch
     from model.cache import V41Cache
     from model.loader import load_model
@@ -165,7 +167,9 @@ def test_tiny_model_with_triton_kernels_matches_reference(tiny_checkpoint):
         cache = V41Cache.allocate(model.cfg, 4, 1, 128, device())
         tokens = [(i * 37) % model.cfg.vocab_size for i in range(24)]
         batch = ForwardBatch.build([tokens], [0], [0], [[1]], device=device())
-        logits[kernels] = model.logits(model.forward(batch, cache)).cpu()
+        prefill = model.logits(model.forward(batch, cache)).cpu()
+        step = ForwardBatch.build([[5]], [24], [0], [[1]], device=device())
+        logits[kernels] = torch.cat([prefill, model.logits(model.forward(step, cache)).cpu()])
     ref, got = logits["reference"], logits["triton"]
     assert torch.equal(ref.argmax(-1), got.argmax(-1))
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
