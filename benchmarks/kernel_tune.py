@@ -1,5 +1,5 @@
-"""The tile-config sweep of ``benchmarks/kernels.py --tune``: every candidate config of the decode
-form of the FP8 linears and of the experts' kernels, timed at the decode sizes on the real shapes,
+"""The tile-config sweep of ``benchmarks/kernels.py --tune``: every candidate config of the one-token
+and decode forms of the FP8 linears and of the experts' kernels, timed at the decode sizes on the real shapes,
 by overriding ``model.kernels.tile_configs``'s tables for the duration of each measurement (see
 the docstring of ``benchmarks/kernels.py``)."""
 
@@ -22,6 +22,12 @@ def _tables():
     return tile_configs
 
 
+def _gemv():
+    from model.kernels import triton_gemv  # (as _tables)
+
+    return triton_gemv
+
+
 DECODE_MAX_M = 256  # above: the experts' prefill configs
 
 
@@ -31,12 +37,16 @@ def run_tune(bench, ms: list[int]) -> None:
     # summation order, so outputs are compared within tolerance); above, the prefill form's
     # (triton_bf16_mm, compared bit for bit). Experts: the weight rows stay on the tensor cores'
     # 64-row side (batch invariance) (outputs compared bit for bit).
-    tables = _tables()
+    tables, triton_gemv = _tables(), _gemv()
     decode_cfgs = [tables.DecodeConfig(bw, bk, bw // 16, st, pps) for bw in (64, 128) for bk in (128, 256)
                    for st in (3, 4) for pps in (2, 4, 8)]
     # the FP8 linears' kernel (one scale block per step; block_k = 32, the unit of its splits)
     fp8_cfgs = [tables.DecodeConfig(bw, 32, 4, st, pps, one_wave=one_wave) for bw in (64, 128) for st in (3, 4, 6)
                 for pps in (2, 4, 8) for one_wave in (True, False)]
+    # one token's FP8 products on the CUDA cores (triton_gemv, outside the batch-invariant mode): rows per
+    # program (dividing 32), K columns per step, warps, programs per SM before split-K stops
+    gemv_cfgs = [tables.DecodeConfig(bw, bk, warps, 1, pps) for bw in (16, 32) for bk in (128, 256, 512)
+                 for warps in (2, 4, 8) for pps in (4, 8)]
     moe_cfgs = [tables.TileConfig(bm, bn, warps, st) for bm in (16, 32) for bn in (64, 128) for warps in (4, 8)
                 for st in (2, 3, 4)]
     # prefill: tens to hundreds of tokens per expert, wider token tiles for the tensor cores. 128 weight
@@ -50,6 +60,7 @@ def run_tune(bench, ms: list[int]) -> None:
                     for warps in (4, 8) for st in (3, 4) if st * 64 * 2 * (bm + bn) <= 200 * 1024]
     if bench.args.tiny:
         decode_cfgs, moe_cfgs, fp8_cfgs = decode_cfgs[1::5], moe_cfgs[1::5], fp8_cfgs[1::5]  # the logic, not the numbers
+        gemv_cfgs = gemv_cfgs[1::5]
         moe_prefill_cfgs, prefill_cfgs = moe_prefill_cfgs[1::5], prefill_cfgs[1::5]
     budget = (bench.budget_fast[0] * 0.4, bench.budget_fast[1], bench.budget_fast[2])
     for m in ms:
@@ -64,6 +75,8 @@ def run_tune(bench, ms: list[int]) -> None:
             limit_s = limit_of(nbytes, flops, bench.ceil)[2]
             if m > bench.tk_decode_max:
                 table, cfgs, default = "bf16", prefill_cfgs, tables.bf16_mm_config(m)
+            elif m <= triton_gemv.MAX_TOKENS:  # the backend's one-token form (not in the batch-invariant mode)
+                table, cfgs, default = "gemv", gemv_cfgs, tables.gemv_config(m)
             elif spec.groups > 1:
                 table, cfgs, default = "decode", decode_cfgs, tables.decode_mm_config(m)
             else:
@@ -116,13 +129,13 @@ def _sweep(bench, name, m, limit_s, default, cfgs, table, call, budget) -> None:
 
 
 @contextlib.contextmanager
-def override_tables(moe=None, decode=None, fp8_decode=None, bf16=None):
-    """Every M takes ``moe`` / ``decode`` / ``fp8_decode`` / ``bf16`` while inside (the tables are read at
-    each call)."""
+def override_tables(moe=None, decode=None, fp8_decode=None, bf16=None, gemv=None):
+    """Every M takes ``moe`` / ``decode`` / ``fp8_decode`` / ``bf16`` / ``gemv`` while inside (the tables
+    are read at each call)."""
     tables = _tables()
     names = {"moe": "_MOE_TABLE", "decode": "_DECODE_MM_TABLE", "fp8_decode": "_FP8_DECODE_TABLE",
-             "bf16": "_BF16_MM_TABLE"}
-    chosen = {"moe": moe, "decode": decode, "fp8_decode": fp8_decode, "bf16": bf16}
+             "bf16": "_BF16_MM_TABLE", "gemv": "_GEMV_TABLE"}
+    chosen = {"moe": moe, "decode": decode, "fp8_decode": fp8_decode, "bf16": bf16, "gemv": gemv}
     saved = {attr: getattr(tables, attr) for attr in names.values()}
     try:
         for key, cfg in chosen.items():
@@ -154,7 +167,7 @@ def tune_markdown(bench) -> str:
                      f"| {e['limit_s'] / e['best_s']:.0%} |")
     # the tables are keyed by M only: the config with the least total time over the GEMMs of each M
     lines += ["", "Best single config per M and table (sum over its GEMMs: the FP8 linears, wo_a, the experts):", ""]
-    for table in ("fp8_decode", "decode", "bf16", "moe"):
+    for table in ("gemv", "fp8_decode", "decode", "bf16", "moe"):
         for m in sorted({e["m"] for e in bench.tune}):
             entries = [e for e in bench.tune if e["m"] == m and e["table"] == table]
             totals: dict[str, float] = {}

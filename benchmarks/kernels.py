@@ -56,7 +56,10 @@ of the rows (a row's result does not depend on the other rows: in the batch-inva
 bit for bit, in the decode form within the tolerance). The
 script stops with exit status 1 if any difference exceeds 1e-2 or any output is not finite.
 
-``--tune`` sweeps, at the given M values, the configs of the FP8 linears' decode form (M <= 64:
+``--tune`` sweeps, at the given M values, the configs of the FP8 linears' one-token form (M = 1 outside
+``--batch-invariant``, ``triton_gemv``: 16-32 weight rows x 128-512 K columns per step, 2-8 warps, 4 or 8
+programs per SM before split-K stops; outputs compared with the default config's within the
+tolerance), of their decode form (M <= 64:
 64-128 weight rows, 3-6 stages, 2-8 programs per SM before split-K stops, with or without the
 one-wave cap; ``wo_a``: 64-128 weight rows x 128-256 K columns per step, 3-4 stages; outputs
 compared with the default config's within the tolerance, since another split sums in another

@@ -31,8 +31,8 @@ def test_kernel_benchmark_and_tile_sweep_run_on_the_tiny_shapes(tmp_path):
     tuned = {(e["kernel"], e["m"]): e for e in doc["tune"]}
     assert set(tuned) == {(kernel, m) for kernel in ("attn.wkv", "moe.experts") for m in (1, 65)}
     assert all("s" in c for e in tuned.values() for c in e["configs"])  # every candidate ran
-    # the FP8 linear's decode form at M = 1, its prefill form above the decode form's 64 rows
-    assert tuned["attn.wkv", 1]["table"] == "fp8_decode" and tuned["attn.wkv", 65]["table"] == "bf16"
+    # the FP8 linear's one-token form at M = 1, its prefill form above the decode form's 64 rows
+    assert tuned["attn.wkv", 1]["table"] == "gemv" and tuned["attn.wkv", 65]["table"] == "bf16"
     for key in (("attn.wkv", 65), ("moe.experts", 1), ("moe.experts", 65)):  # batch invariant: the same bits
         assert all(c["bitwise_equal_to_default"] for c in tuned[key]["configs"]), key
     assert "Best single config per M" in done.stdout

@@ -117,7 +117,8 @@ def fp8_decode_config(m: int) -> DecodeConfig:
 # program's rows share one row of the weight's 32x32 scales), ``block_k`` is a step's columns. The best
 # for a layer's nine FP8 projections in one CUDA graph on one H200 among 8-32 rows, 128-512 columns,
 # 2-8 warps and 2-8 programs per SM, with the weight loaded as words and one sum per word position
-# (80.7 µs; the next, 16 x 128 with 2 warps, 82.4; docs/benchmarks.md)
+# (80.7 µs; the next, 16 x 128 with 2 warps, 82.4; docs/benchmarks.md). ``benchmarks/kernels.py --tune --m 1``
+# sweeps these candidates per projection
 _GEMV_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
     (1, DecodeConfig(32, 128, 4, 1, 4)),
 )
