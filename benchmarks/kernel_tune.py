@@ -22,12 +22,6 @@ def _tables():
     return tile_configs
 
 
-def _gemv():
-    from model.kernels import triton_gemv  # (as _tables)
-
-    return triton_gemv
-
-
 DECODE_MAX_M = 256  # above: the experts' prefill configs
 
 
@@ -37,7 +31,8 @@ def run_tune(bench, ms: list[int]) -> None:
     # summation order, so outputs are compared within tolerance); above, the prefill form's
     # (triton_bf16_mm, compared bit for bit). Experts: the weight rows stay on the tensor cores'
     # 64-row side (batch invariance) (outputs compared bit for bit).
-    tables, triton_gemv = _tables(), _gemv()
+    tables = _tables()
+    from model.kernels import triton_gemv  # (imported late, as in _tables)
     decode_cfgs = [tables.DecodeConfig(bw, bk, bw // 16, st, pps) for bw in (64, 128) for bk in (128, 256)
                    for st in (3, 4) for pps in (2, 4, 8)]
     # the FP8 linears' kernel (one scale block per step; block_k = 32, the unit of its splits)

@@ -116,7 +116,6 @@ def test_rejects_what_it_does_not_compute():
         fp8_gemv(torch.zeros(1, 96, dtype=torch.bfloat16, device=device()), [(w.values, w.scales)], quantize=True)
 
 
-
 @triton.jit
 def _expand_words(words_ptr, out_ptr, WORDS: tl.constexpr, INTERPRETED: tl.constexpr):
     rows = tl.arange(0, 4)[:, None]

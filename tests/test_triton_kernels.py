@@ -152,7 +152,7 @@ def test_triton_rows_do_not_depend_on_the_batch_in_batch_invariant_mode():
         assert torch.equal(kernels.quantized_linear(x[i:i + 1], weight), batched[i:i + 1])
 
 
-def test_tiny_model_with_triton_kernels_matches_reference(tiny_checkpoint):
+def test_tiny_model_with_triton_kernels_matches_reference(tiny_checkpoint, monkeypatch):
     """The whole tiny model with ``kernels="triton"`` against the reference arithmetic: a 24-token
     prefill, then a one-token decode step (the one-token forms: two projections of a token in one
     launch, the attention's ``wq_b`` with its indexer's)."""
@@ -161,6 +161,12 @@ def test_tiny_model_with_triton_kernels_matches_reference(tiny_checkpoint):
     from model.loader import load_model
     from model.transformer import ModelOptions
 
+    from model.kernels import triton_gemv
+
+    launches = []  # the row counts of each one-token launch's weights
+    real = triton_gemv.fp8_gemv
+    monkeypatch.setattr(triton_gemv, "fp8_gemv",
+                        lambda x, weights, **kw: launches.append([v.shape[0] for v, _ in weights]) or real(x, weights, **kw))
     logits = {}
     for kernels in ("reference", "triton"):
         model = load_model(tiny_checkpoint, ModelOptions(batch_invariant=False, kernels=kernels), device())
@@ -170,6 +176,8 @@ def test_tiny_model_with_triton_kernels_matches_reference(tiny_checkpoint):
         prefill = model.logits(model.forward(batch, cache)).cpu()
         step = ForwardBatch.build([[5]], [24], [0], [[1]], device=device())
         logits[kernels] = torch.cat([prefill, model.logits(model.forward(step, cache)).cpu()])
+    cfg = model.cfg
+    assert [cfg.num_heads * cfg.head_dim, cfg.index_num_heads * cfg.index_head_dim] in launches  # wq_b with the indexer's
     ref, got = logits["reference"], logits["triton"]
     assert torch.equal(ref.argmax(-1), got.argmax(-1))
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()

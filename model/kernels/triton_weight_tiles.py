@@ -116,14 +116,16 @@ def e4m3_words_to_f32(words, INTERPRETED: tl.constexpr):
     """int32 tensor, each word four e4m3 bytes (the first in the low byte) -> the fp32 values of its
     bytes 0, 1, 2 and 3: four tensors of the words' shape (exact)."""
     if INTERPRETED:  # no inline assembly in the interpreter: the same values with tensor operations
-        b0 = (words & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        b1 = ((words >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        b2 = ((words >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        b3 = ((words >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        return b0, b1, b2, b3
+        return _e4m3_byte(words, 0), _e4m3_byte(words, 8), _e4m3_byte(words, 16), _e4m3_byte(words, 24)
     else:
         return tl.inline_asm_elementwise(asm=_E4M3_PTX, constraints="=r,=r,=r,=r,r", args=[words],
                                          dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+
+
+@triton.jit
+def _e4m3_byte(words, shift: tl.constexpr):
+    """fp32 value of the e4m3 byte at bit ``shift`` of each word."""
+    return ((words >> shift) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
 # one word ($4, byte i = value i) -> four fp32 ($0..$3): each pair of bytes to two fp16 by one
