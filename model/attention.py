@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import device_ranges
 from .batch import ForwardBatch
 from .cache import V41Cache
 from .attention_lists import TokenSelection, WindowList, join_lists, window_list
@@ -138,7 +139,7 @@ class Attention:
         copying them per query would move thousands of times the bytes."""
         layout, win = batch.layout, self.cfg.sliding_window
         ring_rows = state.once(("window ring rows",), lambda: cache.window_rows(
-            layout.seq_slot.unsqueeze(-1), torch.arange(win, device=kv.device)))
+            layout.seq_slot.unsqueeze(-1), device_ranges.arange(win, kv.device)))
         ring = cache.read_window_rows(self.role.layer_id, ring_rows)  # [B, window, D]
         window, window_index = state.once(("window lists",), lambda: self._window_index(batch, kv.shape[0]))
         if not self.role.compress_ratio:
@@ -179,14 +180,14 @@ class Attention:
         if not batch.padded:
             per_sequence = max(batch.longest_end() // self.cfg.compress_ratios[source], 1)  # known on the host
             if sequence_entries_pay(sequences, per_sequence, tokens, k):
-                entries = torch.arange(per_sequence, device=selection.entries.device)
-                owner = torch.arange(sequences, device=entries.device).unsqueeze(-1)
+                entries = device_ranges.arange(per_sequence, selection.entries.device)
+                owner = device_ranges.arange(sequences, entries.device).unsqueeze(-1)
                 blocks, rows = cache.entry_rows_batched(source, layout.block_tables, owner, entries)
                 index = (first_row + layout.seq.unsqueeze(-1) * per_sequence
                          + selection.entries.clamp(min=0, max=per_sequence - 1))
                 return cache.read_compressed_kv(source, blocks, rows).flatten(0, 1), index
         blocks, rows = cache.entry_rows_batched(source, layout.block_tables, layout.seq.unsqueeze(-1), selection.entries)
-        index = first_row + torch.arange(tokens * k, device=selection.entries.device).view(tokens, k)
+        index = first_row + device_ranges.arange(tokens * k, selection.entries.device).view(tokens, k)
         return cache.read_compressed_kv(source, blocks, rows).flatten(0, 1), index
 
     def _write_window(self, kv: torch.Tensor, batch: ForwardBatch, cache: V41Cache, state: ForwardState) -> None:

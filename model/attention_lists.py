@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import device_ranges
 from .batch import TokenLayout
 
 
@@ -44,7 +45,7 @@ class WindowList:
 
 def window_list(positions: torch.Tensor, layout: TokenLayout, window: int, reference_layout: bool) -> WindowList:
     counts = torch.clamp(positions + 1, max=window)
-    cols = torch.arange(window, device=positions.device)
+    cols = device_ranges.arange(window, positions.device)
     valid_first = positions.unsqueeze(-1) - (counts - 1).unsqueeze(-1) + cols
     if not reference_layout:
         return WindowList(valid_first, cols < counts.unsqueeze(-1), counts)
@@ -84,8 +85,8 @@ def joined_lists(window_index: torch.Tensor, window_valid: torch.Tensor, window_
     """``join_lists`` on the parts' tensors: row t takes ``window_widths[t]`` window columns, then the
     compressed ones (``compressed_counts[t]`` valid), ``window_widths[t] + compressed_widths[t]`` long."""
     w, k = window_index.shape[1], compressed_index.shape[1]
-    compressed_valid = torch.arange(k, device=window_index.device) < compressed_counts.unsqueeze(-1)
-    j = torch.arange(w + k, device=window_index.device)
+    compressed_valid = device_ranges.arange(k, window_index.device) < compressed_counts.unsqueeze(-1)
+    j = device_ranges.arange(w + k, window_index.device)
     win_width = window_widths.unsqueeze(-1)
     source = torch.where(j < win_width, j, w + j - win_width).clamp(max=w + k - 1)
     index = torch.gather(torch.cat([window_index, compressed_index], dim=1), 1, source)

@@ -25,6 +25,7 @@ from functools import cached_property
 
 import torch
 
+from . import device_ranges
 from .device_upload import upload
 
 
@@ -102,7 +103,7 @@ class ForwardBatch:
                       block_tables: torch.Tensor, key_tokens: int) -> "ForwardBatch":
         """One decode token per row, from device tensors [B] (and block tables [B, W]) that the
         caller refills before every run; ``key_tokens`` bounds every row's context (position + 1)."""
-        rows = torch.arange(positions.shape[0], device=positions.device)
+        rows = device_ranges.arange(positions.shape[0], positions.device)
         batch = cls(token_ids, positions, [], offsets=[], key_tokens=key_tokens)
         batch.layout = TokenLayout(seq=rows, start=positions, end=positions + 1, offset=rows, slot=slots,
                                    seq_end=positions + 1, seq_slot=slots, block_tables=block_tables)

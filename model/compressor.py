@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from . import device_ranges
 from .batch import ForwardBatch
 from .cache import V41Cache
 from .kernels import KernelBackend
@@ -48,7 +49,7 @@ class Compressor:
         keys = self.kernels.rms_norm(self.index_wk(latents), self.index_k_norm, self.eps)
         self.kernels.rotate_(keys[:, -self.rope_dims:], entry_positions, rope)
         keys = self.kernels.fp4_round_trip(keys, 32, e4m3_scale=False)
-        kv = latents.clone()
+        kv = latents  # a fresh tensor that nothing else reads: RoPE in place, no copy
         self.kernels.rotate_(kv[:, -self.rope_dims:], entry_positions, rope)
         kv = self.kernels.fp4_round_trip(kv, 16, e4m3_scale=True)
         blocks, rows = cache.entry_rows_batched(self.layer_id, batch.layout.block_tables, seq_of_entry, entry_ids)
@@ -70,16 +71,39 @@ class Compressor:
         kv = self.kernels.fp32_linear(x, self.wkv.weight)
         score = self.kernels.fp32_linear(x, self.wgate.weight)
         tail_kv, tail_score = cache.tail_kv[self.layer_id], cache.tail_score[self.layer_id]
-        # a group closes at the token whose position is its last; its earlier members come from this
-        # chunk or, if they came in an earlier forward, from the sequence's tail
         if batch.padded:
-            # every row as if it closed its group: the entry of a row that does not close lands on
-            # its still-open group's entry, which no query can see yet and whose closing token
-            # overwrites it; this keeps the shapes fixed (no nonzero, no host read)
-            closing = torch.arange(pos.shape[0], device=device)
+            group_kv, group_score = self._padded_groups(kv, score, tail_kv, tail_score, layout.slot, pos)
+            closing_seq, closing_pos = layout.seq, pos
         else:
-            closing = batch.closing_rows(r)
-        members = pos[closing].unsqueeze(-1) - (r - 1) + torch.arange(r, device=device)  # [G, r]
+            group_kv, group_score, closing = self._chunk_groups(kv, score, tail_kv, tail_score, batch)
+            closing_seq, closing_pos = layout.seq[closing], pos[closing]
+        latents = (group_kv * group_score.softmax(dim=1)).sum(dim=1)
+        latents = self.kernels.rms_norm(latents.to(x.dtype), self.norm, self.eps)
+        return latents, closing_seq, closing_pos // r
+
+    def _padded_groups(self, kv: torch.Tensor, score: torch.Tensor, tail_kv: torch.Tensor, tail_score: torch.Tensor,
+                       slot: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A padded decode batch's groups ``[T, r, D]``, every row as if it closed its group: the
+        entry of a row that does not close lands on its still-open group's entry, which no query can
+        see yet and whose closing token overwrites it (fixed shapes: no nonzero, no host read). Each
+        row is its sequence's newest token, so it writes its own tail row first (a closing token's
+        row is never read again) and then reads its whole group from the tail: the same values as
+        taking its own from ``kv``, in ~10 fewer launches."""
+        r = self.ratio
+        ring = pos % r
+        tail_kv[slot, ring] = kv
+        tail_score[slot, ring] = score
+        members = (pos.unsqueeze(-1) + device_ranges.arange(r + 1, pos.device)[1:]) % r  # positions pos - r + 1 .. pos
+        return tail_kv[slot.unsqueeze(-1), members], tail_score[slot.unsqueeze(-1), members]
+
+    def _chunk_groups(self, kv: torch.Tensor, score: torch.Tensor, tail_kv: torch.Tensor, tail_score: torch.Tensor,
+                      batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The groups ``[G, r, D]`` that close in a chunked batch, and the rows that close them. A group
+        closes at the token whose position is its last; its earlier members come from this chunk or,
+        if they came in an earlier forward, from the sequence's tail."""
+        r, layout, pos = self.ratio, batch.layout, batch.positions
+        closing = batch.closing_rows(r)
+        members = pos[closing].unsqueeze(-1) - (r - 1) + device_ranges.arange(r, pos.device)  # [G, r]
         start = layout.start[closing].unsqueeze(-1)
         in_chunk = (members >= start).unsqueeze(-1)
         local = layout.offset[closing].unsqueeze(-1) + (members - start).clamp(min=0)
@@ -87,15 +111,7 @@ class Compressor:
         group_kv = torch.where(in_chunk, kv[local], tail_kv[slots, members % r])
         group_score = torch.where(in_chunk, score[local], tail_score[slots, members % r])
         # tokens of a group still open at the end of their chunk wait in the tail, row = position % r
-        if batch.padded:
-            # a closing token's tail row is never read again (its group is complete), so every
-            # row may write its own
-            tail_kv[layout.slot, pos % r] = kv
-            tail_score[layout.slot, pos % r] = score
-        else:
-            waiting = batch.rows_from(lambda chunk: chunk.end // r * r)
-            tail_kv[layout.slot[waiting], pos[waiting] % r] = kv[waiting]
-            tail_score[layout.slot[waiting], pos[waiting] % r] = score[waiting]
-        latents = (group_kv * group_score.softmax(dim=1)).sum(dim=1)
-        latents = self.kernels.rms_norm(latents.to(x.dtype), self.norm, self.eps)
-        return latents, layout.seq[closing], pos[closing] // r
+        waiting = batch.rows_from(lambda chunk: chunk.end // r * r)
+        tail_kv[layout.slot[waiting], pos[waiting] % r] = kv[waiting]
+        tail_score[layout.slot[waiting], pos[waiting] % r] = score[waiting]
+        return group_kv, group_score, closing

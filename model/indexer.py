@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import device_ranges
 from .attention_lists import TokenSelection
 from .batch import ForwardBatch
 from .cache import V41Cache
@@ -52,7 +53,7 @@ def top_entries(scores: torch.Tensor, k_per_row: torch.Tensor, k_max: int) -> to
     """Per row, the ``k_per_row`` highest scores (ties: lower entry first), as entry ids in increasing
     order in the first columns of ``[S, k_max]`` (the others 0)."""
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k_max]
-    unused = torch.arange(k_max, device=scores.device) >= k_per_row.unsqueeze(-1)
+    unused = device_ranges.arange(k_max, scores.device) >= k_per_row.unsqueeze(-1)
     big = torch.iinfo(torch.long).max
     return torch.sort(order.masked_fill(unused, big), dim=-1).values.masked_fill(unused, 0)
 
@@ -65,7 +66,7 @@ def candidate_mask(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int
     block_scores = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)
     num_blocks = block_scores.shape[-1]
     newest = (visible - 1).div(block_size, rounding_mode="floor")  # the query's partly filled block
-    block_ids = torch.arange(num_blocks, device=scores.device)
+    block_ids = device_ranges.arange(num_blocks, scores.device)
     block_scores = block_scores.masked_fill(block_ids == newest.unsqueeze(-1), torch.inf)
     take = min(topk_blocks, num_blocks)
     ranked = torch.sort(block_scores, dim=-1, descending=True, stable=True)
@@ -122,7 +123,7 @@ class Indexer:
         """Visibility, the two-level candidate logic and the top-k on scores [S, E]."""
         num_entries = scores.shape[-1]
         visible = visible_entries(positions, self.ratio)
-        hidden = torch.arange(num_entries, device=scores.device) >= visible.unsqueeze(-1)
+        hidden = device_ranges.arange(num_entries, scores.device) >= visible.unsqueeze(-1)
         scores = scores.masked_fill(hidden, -torch.inf)
         published = None
         if self.is_candidate_source:
@@ -206,8 +207,8 @@ class Indexer:
 
     def _padded_keys(self, cache: V41Cache, layout, key_layers: list[int], width: int, device) -> torch.Tensor:
         """[B, E, d]: the first E index keys of every sequence, from its key layer's cache."""
-        entries = torch.arange(width, device=device)
-        seqs = torch.arange(layout.seq_end.numel(), device=device)
+        entries = device_ranges.arange(width, device)
+        seqs = device_ranges.arange(layout.seq_end.numel(), device)
         keys = None
         for key_layer in sorted(set(key_layers)):
             blocks, rows = cache.entry_rows_batched(key_layer, layout.block_tables, seqs.unsqueeze(-1), entries)

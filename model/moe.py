@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import device_ranges
 from .kernels import ExpertWeights, KernelBackend
 from .layers import Linear, project
 from .routing import RoutingRule
@@ -103,7 +104,7 @@ class MoE:
         """``[R, k, D]``: for token rows ``[R, D]`` with their slot ids and routing weights
         ``[R, k]``, each pair's expert output; zero where the slot is not this rank's (or is -1)."""
         r, k = ids.shape
-        pair_token = torch.arange(r * k, device=rows.device) // k
+        pair_token = device_ranges.pair_tokens(r, k, rows.device)
         outputs = self.local_expert_outputs(rows, pair_token, ids.reshape(-1), gates.reshape(-1))
         return outputs.view(r, k, rows.shape[-1])
 
