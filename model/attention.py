@@ -157,9 +157,12 @@ class Attention:
         layout, win = batch.layout, self.cfg.sliding_window
         window = window_list(batch.positions, layout, win, self.reference_layout)
         start, offset = layout.start.unsqueeze(-1), layout.offset.unsqueeze(-1)
+        ring_row = window.positions.clamp(min=0) % win
+        from_ring = torch.add(ring_row, layout.seq.unsqueeze(-1), alpha=win) + tokens
+        if batch.padded:  # each row is its sequence's one new token: the chunk holds only that position
+            return window, torch.where(window.positions >= start, offset, from_ring)
         last = (layout.end - layout.start - 1).unsqueeze(-1)
         from_chunk = offset + (window.positions - start).clamp(min=0).minimum(last)
-        from_ring = tokens + layout.seq.unsqueeze(-1) * win + window.positions.clamp(min=0) % win
         return window, torch.where(window.positions >= start, from_chunk, from_ring)
 
     def _compressed_lists(self, batch: ForwardBatch, cache: V41Cache, selection: TokenSelection,

@@ -208,8 +208,10 @@ class QuantizedRows:
         """The numbers of the rows ``data[index]`` selects in ``data`` seen as ``[N, row_bytes]``
         (shaped as the broadcast index, as advanced indexing would)."""
         flat = None
-        for dim, position in enumerate(index):
-            rows_per_step = self.data.stride(dim) // self.codec.row_bytes
-            term = position.long() if rows_per_step == 1 else position.long() * rows_per_step
-            flat = term if flat is None else flat + term
+        for dim in reversed(range(len(index))):  # the innermost first: its step is usually one row
+            position, rows_per_step = index[dim].long(), self.data.stride(dim) // self.codec.row_bytes
+            if flat is None:
+                flat = position if rows_per_step == 1 else position * rows_per_step
+            else:  # one launch for the product and the sum (integers: exact in any order)
+                flat = torch.add(flat, position, alpha=rows_per_step)
         return flat

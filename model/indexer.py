@@ -156,25 +156,26 @@ class Indexer:
         sequences at once, keys padded to the longest sequence. ``projected``: ``wq_b(qr)`` (``queries``)."""
         q, weights = self.queries(x, projected, batch.positions, rope)
         layout = batch.layout
-        num_keys = layout.seq_end // self.ratio  # visible entries at the end of each chunk
         if batch.padded:  # a fixed width, so that the shapes do not depend on the batch's values
             width = batch.key_tokens // self.ratio
         else:
-            width = batch.longest_end() // self.ratio  # known on the host: no read of num_keys
+            width = batch.longest_end() // self.ratio  # known on the host: nothing read back from the device
         t = batch.num_tokens
         if width == 0:
             empty = Selection.empty(t, x.device)
             return TokenSelection(empty.entries, empty.counts, torch.zeros_like(empty.counts)), None
         keys = self._padded_keys(cache, layout, key_layers, width, x.device)  # [B, E, d]
-        widths = num_keys[layout.seq].clamp(max=self.topk)
         # rows' slices (below): a decode step, or any chunk the backend scores at once, is one slice,
         # whose selection is the batch's (no zeroed buffers to copy it into: ~5 launches per indexer)
         step = max(1, SCORE_ELEMENTS // self.kernels.index_score_row_elements(q.shape[1], q.shape[2], width))
         if not per_sequence and step >= t:
             scores = self.kernels.index_scores(q, weights, keys, layout.seq)
             selection, published = self._pick(scores, batch.positions, candidates)
+            # a padded decode row is its sequence's newest token: what it sees is what the sequence has
+            widths = selection.counts if batch.padded else self._widths(layout)
             return TokenSelection(selection.entries, selection.counts, widths), published
         k_max = min(self.topk, width)
+        num_keys = layout.seq_end // self.ratio  # visible entries at the end of each chunk
         entries = torch.zeros(t, k_max, dtype=torch.long, device=x.device)
         counts = torch.zeros(t, dtype=torch.long, device=x.device)
         published = torch.zeros(t, width, dtype=torch.bool, device=x.device) if self.is_candidate_source else None
@@ -203,7 +204,12 @@ class Indexer:
                 counts[rows] = selection.counts
                 if mask is not None:
                     published[rows] = mask
-        return TokenSelection(entries, counts, widths), published
+        return TokenSelection(entries, counts, self._widths(layout)), published
+
+    def _widths(self, layout) -> torch.Tensor:
+        """[T] the reference kernel's list width of each query: min(top-k, entries visible at the end
+        of its chunk)."""
+        return (layout.seq_end // self.ratio)[layout.seq].clamp(max=self.topk)
 
     def _padded_keys(self, cache: V41Cache, layout, key_layers: list[int], width: int, device) -> torch.Tensor:
         """[B, E, d]: the first E index keys of every sequence, from its key layer's cache."""
