@@ -185,13 +185,12 @@ class Attention:
             if sequence_entries_pay(sequences, per_sequence, tokens, k):
                 entries = device_ranges.arange(per_sequence, selection.entries.device)
                 owner = device_ranges.arange(sequences, entries.device).unsqueeze(-1)
-                blocks, rows = cache.entry_rows_batched(source, layout.block_tables, owner, entries)
                 index = (first_row + layout.seq.unsqueeze(-1) * per_sequence
                          + selection.entries.clamp(min=0, max=per_sequence - 1))
-                return cache.read_compressed_kv(source, blocks, rows).flatten(0, 1), index
-        blocks, rows = cache.entry_rows_batched(source, layout.block_tables, layout.seq.unsqueeze(-1), selection.entries)
-        index = first_row + device_ranges.arange(tokens * k, selection.entries.device).view(tokens, k)
-        return cache.read_compressed_kv(source, blocks, rows).flatten(0, 1), index
+                return cache.read_compressed_kv_paged(source, layout.block_tables, owner, entries).flatten(0, 1), index
+        index = device_ranges.arange(first_row + tokens * k, selection.entries.device)[first_row:].view(tokens, k)
+        rows = cache.read_compressed_kv_paged(source, layout.block_tables, layout.seq.unsqueeze(-1), selection.entries)
+        return rows.flatten(0, 1), index
 
     def _write_window(self, kv: torch.Tensor, batch: ForwardBatch, cache: V41Cache, state: ForwardState) -> None:
         """Keep the last ``window`` positions of every chunk in its sequence's ring (row = pos % W)."""

@@ -184,6 +184,34 @@ class QuantizedRows:
             return
         self.write_rows(self.flat_rows(*index), values)
 
+    def read_entries(self, tables: torch.Tensor, seq: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """bf16 rows ``[S, K, width]`` of a ``[blocks, per_block]`` store at paged entries: entries
+        ``entries`` of sequences ``seq`` (broadcast to ``[S, K]``) through the padded block tables
+        ``tables [B, W]`` (``entry_rows``). On CUDA the kernel finds the rows itself (no index launches)."""
+        if not self.fused:
+            return self.read(*self.entry_rows(tables, seq, entries))
+        from .kernels.triton_cache_codec import read_entries
+
+        return read_entries(self.data, tables, seq, entries, self.codec.fmt, self.codec.width)
+
+    def write_entries(self, tables: torch.Tensor, seq: torch.Tensor, entries: torch.Tensor,
+                      values: torch.Tensor) -> None:
+        """Write ``values [S, K, width]`` at paged entries (``read_entries``)."""
+        if not self.fused:
+            self.write(*self.entry_rows(tables, seq, entries), values=values)
+            return
+        from .kernels.triton_cache_codec import write_entries
+
+        write_entries(self.data, tables, seq, entries, values, self.codec.fmt)
+
+    def entry_rows(self, tables: torch.Tensor, seq: torch.Tensor, entries: torch.Tensor):
+        """(block, row) of paged entries ``entries`` (>= 0) of sequences ``seq`` in a ``[blocks,
+        per_block]`` store, given the padded block tables ``[B, W]``: entries past a sequence's table
+        land in its last column's block (callers mask them out)."""
+        per_block = self.data.shape[1]
+        column = (entries // per_block).clamp(max=tables.shape[1] - 1)
+        return tables[seq, column], entries % per_block
+
     def read_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """bf16 rows ``[*rows.shape, width]`` at row numbers ``rows`` of ``data`` seen as ``[N, row_bytes]``
         (``flat_rows``: numbers that stores of one shape share, computed once for all of them)."""

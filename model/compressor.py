@@ -52,8 +52,7 @@ class Compressor:
         kv = latents  # a fresh tensor that nothing else reads: RoPE in place, no copy
         self.kernels.rotate_(kv[:, -self.rope_dims:], entry_positions, rope)
         kv = self.kernels.fp4_round_trip(kv, 16, e4m3_scale=True)
-        blocks, rows = cache.entry_rows_batched(self.layer_id, batch.layout.block_tables, seq_of_entry, entry_ids)
-        cache.write_entries(self.layer_id, blocks, rows, kv, keys)
+        cache.write_entries_paged(self.layer_id, batch.layout.block_tables, seq_of_entry, entry_ids, kv, keys)
 
     def latents(self, x: torch.Tensor, batch: ForwardBatch, cache: V41Cache):
         """Pre-RoPE latents of every group closed in this forward, with their sequence and entry id.

@@ -217,8 +217,7 @@ class Indexer:
         seqs = device_ranges.arange(layout.seq_end.numel(), device)
         keys = None
         for key_layer in sorted(set(key_layers)):
-            blocks, rows = cache.entry_rows_batched(key_layer, layout.block_tables, seqs.unsqueeze(-1), entries)
-            gathered = cache.read_index_keys(key_layer, blocks, rows)
+            gathered = cache.read_index_keys_paged(key_layer, layout.block_tables, seqs.unsqueeze(-1), entries.unsqueeze(0))
             if keys is None:
                 keys = gathered
             else:

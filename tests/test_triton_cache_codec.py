@@ -97,6 +97,34 @@ def test_quantized_rows_fused_path_indexes_like_the_torch_path(fmt):
     assert torch.equal(fused.data.cpu(), plain.data)
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+def test_paged_entries_find_the_rows_the_torch_path_finds(fmt):
+    """Reads and writes through the block tables (the kernel finds each entry's block and row) against
+    the torch path's (block, row) pairs: per-query entries [T, K] with seq [T, 1], one range of
+    entries for every sequence ([E] with [B, 1]), new entries [1, G], and entries past a table."""
+    plain = QuantizedRows(RowCodec(fmt, WIDTH, "cpu"), (7, 4), "cpu")  # 7 blocks of 4 entries
+    fused = QuantizedRows(RowCodec(fmt, WIDTH, device()), (7, 4), device())
+    fused.fused = True
+    tables = torch.tensor([[3, 5, 0], [1, 0, 0], [6, 2, 4]])  # padded with block 0
+    seq = torch.tensor([0, 2, 1, 2, 0, 2])
+    entries = torch.tensor([0, 9, 3, 1, 5, 11])  # sequence 2's entry 11: its third block, row 3
+    values = corner_rows(fmt, 5)[:6].unsqueeze(0)
+    on = lambda t: t.to(device())  # noqa: E731
+    plain.write_entries(tables, seq.view(1, -1), entries.view(1, -1), values)
+    fused.write_entries(on(tables), on(seq.view(1, -1)), on(entries.view(1, -1)), on(values))
+    assert torch.equal(fused.data.cpu(), plain.data)
+    # sequence 2's entry 13 is past its table: it lands in the last column's block (4), on entry 9's row
+    queries = (torch.tensor([[2], [0], [1]]), torch.tensor([[11, 0, 9, 13], [5, 1, 0, 2], [3, 0, 1, 2]]))
+    every = (torch.arange(3).unsqueeze(-1), torch.arange(12))
+    for seq_of, entries_of in (queries, every):
+        got = fused.read_entries(on(tables), on(seq_of), on(entries_of)).cpu()
+        want = plain.read_entries(tables, seq_of, entries_of)
+        assert got.shape == want.shape == (*torch.broadcast_shapes(seq_of.shape, entries_of.shape), WIDTH)
+        assert torch.equal(bits(got), bits(want))
+    back = plain.read_entries(tables, torch.tensor([[2]]), torch.tensor([[11, 13]]))[0]
+    assert torch.equal(bits(back), bits(values[0, [5, 1]]))  # the reference path: what was written comes back
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU model; on CUDA every cache takes this path")
 def test_the_model_gives_the_same_bits_through_the_cache_kernels(tiny_model, run_sequence, monkeypatch):
     """The tiny model, prefill then decode steps, with every cache read and write through the kernels

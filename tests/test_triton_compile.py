@@ -258,14 +258,18 @@ def main() -> int:
            **scalars("E stride_qt stride_qh stride_wt stride_kb stride_ke stride_ot")},
           {"H": 64, "D": 128, "BLOCK_E": triton_index_scores.BLOCK_E, "INTERPRETED": False},
           options={"num_warps": 4, "enable_fp_fusion": False}, spill_free=True)
-    for (fmt, width), rows in itertools.product(((WINDOW_KV, 512), (COMPRESSED_KV, 512), (INDEX_KEYS, 128)),
-                                                (1, None)):  # one row (a decode step), full programs
-        constants = triton_cache_codec._constants(fmt, width, rows)
-        check(f"cache read {fmt.describe()} rows={rows}", triton_cache_codec._read_rows_kernel,
-              {"data_ptr": "*u8", "rows_ptr": "*i64", "out_ptr": "*i16", "M": "i32"}, constants, wgmma=False)
-        check(f"cache write {fmt.describe()} rows={rows}", triton_cache_codec._write_rows_kernel,
-              {"values_ptr": "*i16", "rows_ptr": "*i64", "data_ptr": "*u8", "M": "i32", "stride_v": "i32"},
-              constants, wgmma=False)
+    not_paged = ("i32",) * len(triton_cache_codec._NOT_PAGED)
+    paged = ("*i64", "i32", "i32", "*i64", "i32", "i32", "*i64", "i32", "i32", "i32", "i32", "i32")  # _data_rows
+    for (fmt, width), rows, pages in itertools.product(((WINDOW_KV, 512), (COMPRESSED_KV, 512), (INDEX_KEYS, 128)),
+                                                       (1, None), (not_paged, paged)):  # one row (decode), full
+        constants = {**triton_cache_codec._constants(fmt, width, rows), "PAGED": pages is paged}
+        label = f"{fmt.describe()} rows={rows}{' paged' if pages is paged else ''}"
+        check(f"cache read {label}", triton_cache_codec._read_rows_kernel,
+              {"data_ptr": "*u8", "rows_ptr": "*i64", "out_ptr": "*i16", "M": "i32", "pages": pages}, constants,
+              wgmma=False)
+        check(f"cache write {label}", triton_cache_codec._write_rows_kernel,
+              {"values_ptr": "*i16", "rows_ptr": "*i64", "data_ptr": "*u8", "M": "i32", "stride_v": "i32",
+               "pages": pages}, constants, wgmma=False)
     for clamp in (True, False):
         check(f"swiglu clamp={clamp}", triton_moe_sum._swiglu_kernel,
               {"gate_ptr": "*bf16", "up_ptr": "*bf16", "out_ptr": "*bf16", **scalars("I stride_g stride_u stride_o"),

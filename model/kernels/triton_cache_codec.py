@@ -18,6 +18,13 @@ and a write ~25 (the scale arithmetic, the code search, packing, the concatenati
 each layer of a decode step reads and writes three caches. Here one launch gathers or scatters and
 converts, so the decoded rows are written once and the bytes never pass through intermediates.
 
+Paged entries (``read_entries`` / ``write_entries``): instead of row numbers, the compressed entries
+``entries [S, K]`` (int64, >= 0) of sequences ``seq [S, K]`` (both may be broadcast views, stride 0)
+through the batch's padded block tables ``[B, W]``: entry ``e`` of sequence ``b`` is row ``e %
+per_block`` of block ``tables[b, min(e // per_block, W - 1)]`` (``QuantizedRows.entry_rows``, the
+torch path). The kernel does that integer work itself: in torch it was ~5 launches per read or write
+(divisions, a clamp, a gather, the flat row), each ~1-2 µs inside a decode step's CUDA graph.
+
 Layouts: ``data`` uint8 rows of ``row_bytes`` (codes, then scale bytes), ``flat_rows`` int64 ``[M]``,
 values bf16 ``[M, width]``; ``width`` a power of two, a multiple of the group. Rows are independent
 (writes to one row from two programs race; the engine writes a row once per step, except its
@@ -68,12 +75,29 @@ def _bf16_bits(x):
 
 
 @triton.jit
-def _read_rows_kernel(data_ptr, rows_ptr, out_ptr, M, ROW_BYTES: tl.constexpr, CODE_BYTES: tl.constexpr,
+def _data_rows(rows, mask, rows_ptr, pages, PAGED: tl.constexpr):
+    """Row numbers in ``data`` of the kernel's rows ``rows``: loaded from ``rows_ptr``, or (``PAGED``)
+    found through the block tables, ``pages`` = (tables, table stride, table columns, seq, its two
+    strides, entries, their two strides, K, entries per block, rows per block)."""
+    if PAGED:  # (an else branch: code after a constexpr branch's return would still be compiled)
+        tables, stride_table, columns, seq, seq_s, seq_k, entry, entry_s, entry_k, K, per_block, rows_per_block = pages
+        s, k = rows // K, rows % K
+        b = tl.load(seq + s * seq_s + k * seq_k, mask=mask, other=0)
+        e = tl.load(entry + s * entry_s + k * entry_k, mask=mask, other=0)
+        block = tl.load(tables + b * stride_table + tl.minimum(e // per_block, columns - 1), mask=mask, other=0)
+        found = block * rows_per_block + e % per_block
+    else:
+        found = tl.load(rows_ptr + rows, mask=mask, other=0)
+    return found
+
+
+@triton.jit
+def _read_rows_kernel(data_ptr, rows_ptr, out_ptr, M, pages, ROW_BYTES: tl.constexpr, CODE_BYTES: tl.constexpr,
                       FP8: tl.constexpr, UE8M0: tl.constexpr, WIDTH: tl.constexpr, GROUP: tl.constexpr,
-                      BLOCK_ROWS: tl.constexpr):
+                      BLOCK_ROWS: tl.constexpr, PAGED: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     mask = rows < M
-    source = data_ptr + tl.load(rows_ptr + rows, mask=mask, other=0)[:, None] * ROW_BYTES  # [R, 1]
+    source = data_ptr + _data_rows(rows, mask, rows_ptr, pages, PAGED)[:, None] * ROW_BYTES  # [R, 1]
     cols = tl.arange(0, WIDTH)[None, :]
     if FP8:
         value = _e4m3_value(tl.load(source + cols, mask=mask[:, None], other=0).to(tl.int32))
@@ -98,9 +122,9 @@ def _e4m3_byte(q):
 
 
 @triton.jit
-def _write_rows_kernel(values_ptr, rows_ptr, data_ptr, M, stride_v, ROW_BYTES: tl.constexpr,
+def _write_rows_kernel(values_ptr, rows_ptr, data_ptr, M, stride_v, pages, ROW_BYTES: tl.constexpr,
                        CODE_BYTES: tl.constexpr, FP8: tl.constexpr, UE8M0: tl.constexpr, WIDTH: tl.constexpr,
-                       GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+                       GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, PAGED: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     mask = rows < M
     cols = tl.arange(0, WIDTH)
@@ -115,7 +139,7 @@ def _write_rows_kernel(values_ptr, rows_ptr, data_ptr, M, stride_v, ROW_BYTES: t
     else:
         scale = tl.where(amax == AMBIGUOUS_AMAX, AMBIGUOUS_SCALE, fp4_scale(amax, True))
     scaled = tl.div_rn(groups, scale[:, :, None])
-    target = data_ptr + tl.load(rows_ptr + rows, mask=mask, other=0)[:, None] * ROW_BYTES  # [R, 1]
+    target = data_ptr + _data_rows(rows, mask, rows_ptr, pages, PAGED)[:, None] * ROW_BYTES  # [R, 1]
     if FP8:
         codes = _e4m3_byte(round_to_e4m3(tl.minimum(tl.maximum(scaled, -448.0), 448.0)))
         tl.store(target + cols[None, :], tl.reshape(codes, (BLOCK_ROWS, WIDTH)).to(tl.uint8), mask=mask[:, None])
@@ -149,19 +173,58 @@ def _constants(fmt: RowFormat, width: int, rows: int | None = None) -> dict:
 def read_rows(data: torch.Tensor, flat_rows: torch.Tensor, fmt: RowFormat, width: int) -> torch.Tensor:
     """Rows ``flat_rows [M]`` of ``data`` (contiguous uint8, rows of ``fmt.row_bytes(width)``) -> bf16
     ``[M, width]``."""
-    out = torch.empty(flat_rows.numel(), width, dtype=torch.bfloat16, device=data.device)
-    if out.shape[0]:
-        constants = _constants(fmt, width, out.shape[0])
-        _read_rows_kernel[(triton.cdiv(out.shape[0], constants["BLOCK_ROWS"]),)](
-            data, flat_rows.reshape(-1), out.view(torch.int16), out.shape[0], **constants, num_warps=4)
-    return out
+    return _read(data, flat_rows.reshape(-1), flat_rows.numel(), _NOT_PAGED, fmt, width)
 
 
 def write_rows(data: torch.Tensor, flat_rows: torch.Tensor, values: torch.Tensor, fmt: RowFormat) -> None:
     """Encode bf16 ``values [M, width]`` and store them at rows ``flat_rows [M]`` of ``data``."""
+    _write(data, flat_rows.reshape(-1), values, _NOT_PAGED, fmt)
+
+
+def read_entries(data: torch.Tensor, tables: torch.Tensor, seq: torch.Tensor, entries: torch.Tensor,
+                 fmt: RowFormat, width: int) -> torch.Tensor:
+    """The paged entries (module docstring) of ``data [blocks, per_block, row_bytes]`` -> bf16
+    ``[S, K, width]``, ``[S, K]`` the broadcast shape of ``seq`` and ``entries`` (2-D)."""
+    pages, shape = _pages(data, tables, seq, entries)
+    return _read(data, tables, shape[0] * shape[1], pages, fmt, width).view(*shape, width)
+
+
+def write_entries(data: torch.Tensor, tables: torch.Tensor, seq: torch.Tensor, entries: torch.Tensor,
+                  values: torch.Tensor, fmt: RowFormat) -> None:
+    """Encode bf16 ``values [S, K, width]`` (or ``[S * K, width]``) and store them at the paged entries."""
+    pages, shape = _pages(data, tables, seq, entries)
+    _write(data, tables, values.reshape(shape[0] * shape[1], values.shape[-1]), pages, fmt)
+
+
+_NOT_PAGED = (0,) * 12  # the kernels' ``pages`` argument when they are given row numbers
+
+
+def _pages(data: torch.Tensor, tables: torch.Tensor, seq: torch.Tensor, entries: torch.Tensor):
+    """The kernels' ``pages`` argument and the broadcast ``[S, K]`` of seq and entries."""
+    shape = torch.broadcast_shapes(seq.shape, entries.shape)
+    if len(shape) != 2 or data.dim() != 3 or data.stride(1) != data.shape[2] or tables.stride(1) != 1:
+        raise ValueError(f"paged entries take 2-D indices and a [blocks, per_block, bytes] store, got {tuple(shape)}, "
+                         f"{tuple(data.shape)}")
+    seq, entries = seq.expand(shape), entries.expand(shape)
+    pages = (tables, tables.stride(0), tables.shape[1], seq, *seq.stride(), entries, *entries.stride(), shape[1],
+             data.shape[1], data.stride(0) // data.shape[2])
+    return pages, shape
+
+
+def _read(data, rows, m: int, pages, fmt: RowFormat, width: int) -> torch.Tensor:
+    out = torch.empty(m, width, dtype=torch.bfloat16, device=data.device)
+    if m:
+        constants = _constants(fmt, width, m)
+        _read_rows_kernel[(triton.cdiv(m, constants["BLOCK_ROWS"]),)](
+            data, rows, out.view(torch.int16), m, pages, **constants, PAGED=pages is not _NOT_PAGED, num_warps=4)
+    return out
+
+
+def _write(data, rows, values: torch.Tensor, pages, fmt: RowFormat) -> None:
     m, width = values.shape
     if m:
         values = values if values.stride(-1) == 1 else values.contiguous()
         constants = _constants(fmt, width, m)
         _write_rows_kernel[(triton.cdiv(m, constants["BLOCK_ROWS"]),)](
-            values.view(torch.int16), flat_rows.reshape(-1), data, m, values.stride(0), **constants, num_warps=4)
+            values.view(torch.int16), rows, data, m, values.stride(0), pages, **constants,
+            PAGED=pages is not _NOT_PAGED, num_warps=4)
