@@ -153,19 +153,19 @@ class V41Cache:
         self.index_keys[layer].write(blocks, rows, values=keys)
 
     def read_compressed_kv_paged(self, layer: int, block_tables: torch.Tensor, seq: torch.Tensor,
-                                entries: torch.Tensor) -> torch.Tensor:
+                                 entries: torch.Tensor) -> torch.Tensor:
         """Compressed KV ``[S, K, head_dim]`` bf16 of entries ``entries`` of sequences ``seq`` (broadcast
         to ``[S, K]``), given the batch's padded block tables ``[B, max blocks]``. Entries past a
         sequence's table land in its last column's block: callers mask them out."""
         return self.compressed_kv[layer].read_entries(block_tables, seq, entries)
 
     def read_index_keys_paged(self, layer: int, block_tables: torch.Tensor, seq: torch.Tensor,
-                               entries: torch.Tensor) -> torch.Tensor:
+                              entries: torch.Tensor) -> torch.Tensor:
         """Index keys ``[S, K, index_head_dim]`` bf16 of paged entries (``read_compressed_kv_paged``)."""
         return self.index_keys[layer].read_entries(block_tables, seq, entries)
 
     def write_entries_paged(self, layer: int, block_tables: torch.Tensor, seq: torch.Tensor, entries: torch.Tensor,
-                          kv: torch.Tensor, keys: torch.Tensor) -> None:
+                            kv: torch.Tensor, keys: torch.Tensor) -> None:
         """New compressed entries ``[G]`` of sequences ``seq [G]`` of ``layer``: their KV ``[G, head_dim]``
         and index keys (already through their round trips), through the padded block tables."""
         seq, entries = seq.reshape(1, -1), entries.reshape(1, -1)

@@ -217,7 +217,8 @@ class Indexer:
         seqs = device_ranges.arange(layout.seq_end.numel(), device)
         keys = None
         for key_layer in sorted(set(key_layers)):
-            gathered = cache.read_index_keys_paged(key_layer, layout.block_tables, seqs.unsqueeze(-1), entries.unsqueeze(0))
+            gathered = cache.read_index_keys_paged(key_layer, layout.block_tables, seqs.unsqueeze(-1),
+                                                   entries.unsqueeze(0))
             if keys is None:
                 keys = gathered
             else:

@@ -202,9 +202,10 @@ _NOT_PAGED = (0,) * 12  # the kernels' ``pages`` argument when they are given ro
 def _pages(data: torch.Tensor, tables: torch.Tensor, seq: torch.Tensor, entries: torch.Tensor):
     """The kernels' ``pages`` argument and the broadcast ``[S, K]`` of seq and entries."""
     shape = torch.broadcast_shapes(seq.shape, entries.shape)
-    if len(shape) != 2 or data.dim() != 3 or data.stride(1) != data.shape[2] or tables.stride(1) != 1:
+    if len(shape) != 2 or data.dim() != 3 or data.stride(1) != data.shape[2]:
         raise ValueError(f"paged entries take 2-D indices and a [blocks, per_block, bytes] store, got {tuple(shape)}, "
                          f"{tuple(data.shape)}")
+    tables = tables if tables.stride(1) == 1 else tables.contiguous()
     seq, entries = seq.expand(shape), entries.expand(shape)
     pages = (tables, tables.stride(0), tables.shape[1], seq, *seq.stride(), entries, *entries.stride(), shape[1],
              data.shape[1], data.stride(0) // data.shape[2])
