@@ -9,16 +9,20 @@ view: no kernel). The tensors are shared, so callers must never write into them.
 Nothing is cached while a CUDA graph is being captured: a kernel recorded there has not run yet, so
 its output would hold garbage for anyone who read it outside the graph. The engine runs every
 graph's forward once eagerly before capturing it, which makes the same ranges first, so the graph
-records views of them and no kernel.
+records views of them and no kernel. A graph holds only the addresses it read, so a range that a
+longer one replaces is kept alive, never freed (its memory must not be handed to another tensor
+while a graph may still read it); ranges grow at least twofold, so this at most doubles their bytes.
 """
 
 from __future__ import annotations
 
 import torch
 
-MAX_CACHED = 1 << 22  # longer ranges (rare: a long prefill's query x top-k) are made each time
+MAX_CACHED = 1 << 22  # longer ranges (rare: a long prefill's query x top-k) are made each time; so at
+# most ~64 MiB of int64 ranges (the longest and the ones it replaced) stay per device and kind
 
 _ranges: dict[tuple[torch.device, int], torch.Tensor] = {}  # (device, k) -> arange(n) // k
+_replaced: list[torch.Tensor] = []  # shorter ranges that captured graphs may still read: never freed
 
 
 def _capturing(device: torch.device) -> bool:
@@ -31,12 +35,18 @@ def _range(n: int, k: int, device: torch.device | str) -> torch.Tensor:
     cached = _ranges.get(key)
     if cached is not None and cached.shape[0] >= n:
         return cached[:n]
+    if n > MAX_CACHED or _capturing(device):
+        return _make(n, k, device)
+    made = _make(min(max(n, 2 * cached.shape[0]), MAX_CACHED) if cached is not None else n, k, device)
+    if cached is not None:
+        _replaced.append(cached)
+    _ranges[key] = made
+    return made[:n]
+
+
+def _make(n: int, k: int, device: torch.device) -> torch.Tensor:
     made = torch.arange(n, device=device)
-    if k != 1:
-        made = made // k
-    if n <= MAX_CACHED and not _capturing(device):
-        _ranges[key] = made
-    return made
+    return made // k if k != 1 else made
 
 
 def arange(n: int, device: torch.device | str) -> torch.Tensor:

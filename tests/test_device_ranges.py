@@ -1,7 +1,10 @@
 """The shared index ranges (``model/device_ranges.py``): equal to what torch makes, one storage
-handed out again, longer requests growing it."""
+handed out again, longer requests growing it, a replaced range never freed."""
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import torch
 
@@ -21,6 +24,17 @@ def test_a_longer_range_replaces_the_shorter():
     longer = device_ranges.arange(1000, "cpu")
     assert torch.equal(longer, torch.arange(1000))
     assert device_ranges.arange(3, "cpu").data_ptr() == longer.data_ptr()
+
+
+def test_a_replaced_range_stays_alive():
+    """A CUDA graph captured with views of a range reads its memory at every replay: growing the
+    range must not free it (the caching allocator would hand it to another tensor)."""
+    first = device_ranges.arange(6, "cpu")
+    old = weakref.ref(first._base if first._base is not None else first)
+    device_ranges.arange(device_ranges.arange(1, "cpu")._base.shape[0] + 1, "cpu")  # one longer: replaces it
+    del first
+    gc.collect()
+    assert old() is not None
 
 
 def test_pair_tokens_repeat_each_token_k_times():
