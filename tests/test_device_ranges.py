@@ -29,9 +29,9 @@ def test_a_longer_range_replaces_the_shorter():
 def test_a_replaced_range_stays_alive():
     """A CUDA graph captured with views of a range reads its memory at every replay: growing the
     range must not free it (the caching allocator would hand it to another tensor)."""
-    first = device_ranges.arange(6, "cpu")
-    old = weakref.ref(first._base if first._base is not None else first)
-    device_ranges.arange(device_ranges.arange(1, "cpu")._base.shape[0] + 1, "cpu")  # one longer: replaces it
+    first = device_ranges.pair_tokens(1, 97, "cpu")  # a k of its own: made here, 97 long
+    old = weakref.ref(first._base)  # the cached range this is a view of
+    device_ranges.pair_tokens(2, 97, "cpu")  # longer: replaces it
     del first
     gc.collect()
     assert old() is not None
