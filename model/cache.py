@@ -146,12 +146,6 @@ class V41Cache:
         """Index keys ``[..., index_head_dim]`` bf16 at (block, row) pairs."""
         return self.index_keys[layer].read(blocks, rows)
 
-    def write_entries(self, layer: int, blocks: torch.Tensor, rows: torch.Tensor, kv: torch.Tensor,
-                      keys: torch.Tensor) -> None:
-        """New compressed entries of ``layer``: their KV and index keys (already through their round trips)."""
-        self.compressed_kv[layer].write(blocks, rows, values=kv)
-        self.index_keys[layer].write(blocks, rows, values=keys)
-
     def read_compressed_kv_paged(self, layer: int, block_tables: torch.Tensor, seq: torch.Tensor,
                                  entries: torch.Tensor) -> torch.Tensor:
         """Compressed KV ``[S, K, head_dim]`` bf16 of entries ``entries`` of sequences ``seq`` (broadcast

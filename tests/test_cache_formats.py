@@ -228,10 +228,15 @@ def test_cache_methods_read_what_was_written(golden_dir: Path) -> None:
     layer = cfg.kv_source_layers[0]
     kv = fp4_qdq(torch.randn(3, cfg.head_dim, generator=gen).to(torch.bfloat16), 16, e4m3_scale=True)
     keys = fp4_qdq(torch.randn(3, cfg.index_head_dim, generator=gen).to(torch.bfloat16), 32)
-    blocks, entries = torch.tensor([1, 3, 1]), torch.tensor([0, 2, 5])
-    cache.write_entries(layer, blocks, entries, kv, keys)
-    assert torch.equal(bits(cache.read_compressed_kv(layer, blocks, entries)), bits(kv))
-    assert torch.equal(bits(cache.read_index_keys(layer, blocks, entries)), bits(keys))
+    per_block = cache.geometry.entries_per_block(cfg.compress_ratios[layer])
+    table, entries = torch.tensor([[1, 3]]), torch.tensor([0, per_block + 1, per_block - 1])
+    cache.write_entries_paged(layer, table, torch.zeros(3, dtype=torch.long), entries, kv, keys)
+    blocks, rows = cache.entry_rows(layer, table[0], entries)
+    assert blocks.tolist() == [1, 3, 1]
+    assert torch.equal(bits(cache.read_compressed_kv(layer, blocks, rows)), bits(kv))
+    assert torch.equal(bits(cache.read_index_keys(layer, blocks, rows)), bits(keys))
+    paged = cache.read_compressed_kv_paged(layer, table, torch.zeros(1, 1, dtype=torch.long), entries.view(1, 3))
+    assert torch.equal(bits(paged[0]), bits(kv))
     assert not cache.compressed_kv[layer].data[0].any()  # the padding block is untouched
 
 
