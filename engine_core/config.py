@@ -119,8 +119,9 @@ class EngineConfig:
     cuda_graph_sizes: tuple[int, ...] | None = field(default=None, metadata=flag(
         "decode batch sizes captured as CUDA graphs; a decode step of n sequences replays the smallest "
         "size >= n, padded", metavar="N", default_help="1 2 4 8, then every 8 up to --max-num-seqs"))
-    max_seq_len_to_capture: int = field(default=8192, metadata=flag(
-        "longest context (tokens) a CUDA-graph decode step covers; a step with a longer sequence runs eagerly"))
+    max_seq_len_to_capture: int | None = field(default=None, metadata=flag(
+        "longest context (tokens) a CUDA-graph decode step covers; a step with a longer sequence runs eagerly "
+        "(beyond 8192 tokens, graphs are captured for fewer rows)", default_help="the longest context a sequence may reach (--max-model-len)"))
 
     @property
     def resolved_batch_invariant(self) -> bool:
@@ -158,7 +159,7 @@ class EngineConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.cuda_graph_sizes is not None and (not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1):
             raise ValueError("--cuda-graph-sizes must list batch sizes >= 1")
-        if self.max_seq_len_to_capture < 1:
+        if self.max_seq_len_to_capture is not None and self.max_seq_len_to_capture < 1:
             raise ValueError("--max-seq-len-to-capture must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be >= 2")

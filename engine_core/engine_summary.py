@@ -21,16 +21,17 @@ def weight_formats(dense: str, experts: str) -> str:
 
 
 def cuda_graphs(config: EngineConfig, cfg, max_model_len: int) -> str:
-    """What the decode steps replay, e.g. "decode, 11 batch sizes 1..64 x 4 contexts up to 8192 tokens"."""
+    """What the decode steps replay, e.g. "decode, 44 graphs: 11 batch sizes 1..64 x 4 contexts up to 8192 tokens"."""
     reason = config.cuda_graphs_off_reason
     if reason is not None:
         return f"none (eager: {reason})"
-    from workers.cuda_graphs import GraphPlan
+    from workers.cuda_graphs import FULL_BATCH_CONTEXT, GraphPlan
 
     plan = GraphPlan.for_engine(config, cfg, max_model_len)
-    sizes = plan.batch_sizes
-    return (f"decode, {len(sizes)} batch sizes {sizes[0]}..{sizes[-1]} x {len(plan.context_sizes)} contexts up to "
-            f"{plan.context_sizes[-1]} tokens")
+    sizes, contexts = plan.batch_sizes, plan.context_sizes
+    fewer = f", fewer batch sizes beyond {FULL_BATCH_CONTEXT}" if contexts[-1] > FULL_BATCH_CONTEXT else ""
+    return (f"decode, {len(plan.buckets)} graphs: {len(sizes)} batch sizes {sizes[0]}..{sizes[-1]} x "
+            f"{len(contexts)} contexts up to {contexts[-1]} tokens{fewer}")
 
 
 def build_summary(config: EngineConfig, info: WorkerInfo, max_model_len: int, devices: list[str],

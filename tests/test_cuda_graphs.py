@@ -51,7 +51,7 @@ def test_graph_replay_equals_the_same_forward_run_eagerly(tiny_checkpoint):
     tables = [list(range(1 + i * blocks_each, 1 + (i + 1) * blocks_each)) for i in range(n)]
     for i, prompt in enumerate(PROMPTS[:n]):
         model.forward(ForwardBatch.build([prompt], [0], [i], [tables[i]], device=device), cache)
-    plan = GraphPlan([8], [128], 128 // block, max_previous_rows=n)
+    plan = GraphPlan.grid([8], [128], block, max_previous_rows=n)
     eager_cache = copy.deepcopy(cache)
     graphs = DecodeGraphs(model, cache, plan, scratch_slot=n, scratch_block=1 + n * blocks_each)
     graphs.capture_all()
@@ -63,7 +63,7 @@ def test_graph_replay_equals_the_same_forward_run_eagerly(tiny_checkpoint):
         graphs.load(*args)
         replayed = graphs.replay((8, 128), n).clone()
         eager.load(*args)
-        eager.run_eager(8, 128)
+        eager.run_eager((8, 128))
         assert torch.equal(replayed, eager.logits[:n]), f"step {step}"
         last = replayed.argmax(-1)
 

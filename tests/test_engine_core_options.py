@@ -91,12 +91,14 @@ def test_startup_summary_names_the_cuda_graphs(tiny_checkpoint):
     def graphs(**options) -> str:
         return cuda_graphs(EngineConfig(model=str(tiny_checkpoint), device="cuda", **options), cfg, 4096)
 
-    assert graphs(max_num_seqs=64) == "decode, 11 batch sizes 1..64 x 3 contexts up to 4096 tokens"
+    assert graphs(max_num_seqs=64) == "decode, 33 graphs: 11 batch sizes 1..64 x 3 contexts up to 4096 tokens"
     assert graphs(max_num_seqs=20, cuda_graph_sizes=(1, 4, 16), max_seq_len_to_capture=512) == \
-        "decode, 3 batch sizes 1..16 x 1 contexts up to 512 tokens"
+        "decode, 3 graphs: 3 batch sizes 1..16 x 1 contexts up to 512 tokens"
     assert graphs(enforce_eager=True) == "none (eager: --enforce-eager)"
+    assert cuda_graphs(EngineConfig(model=str(tiny_checkpoint), device="cuda", max_num_seqs=64), cfg, 32768) == \
+        "decode, 58 graphs: 11 batch sizes 1..64 x 6 contexts up to 32768 tokens, fewer batch sizes beyond 8192"
     assert graphs(kernels="reference").startswith("none (eager: the reference kernels")
     # expert parallelism: no batch beyond what one exchange carries per peer without a second round
-    assert graphs(dp_size=2, max_num_seqs=64) == "decode, 11 batch sizes 1..64 x 3 contexts up to 4096 tokens"
+    assert graphs(dp_size=2, max_num_seqs=64) == "decode, 33 graphs: 11 batch sizes 1..64 x 3 contexts up to 4096 tokens"
     small_capacity = graphs(dp_size=2, max_num_seqs=64, max_num_batched_tokens=64, expert_capacity_factor=0.5)
     assert small_capacity.startswith("decode, ") and " 1..64 " not in small_capacity

@@ -39,7 +39,7 @@ def _prefilled(model, num_slots: int, num_blocks: int):
 
 
 def _plan(rows: int, key_tokens: int) -> GraphPlan:
-    return GraphPlan([rows], [key_tokens], -(-key_tokens // BLOCK), max_previous_rows=len(PROMPTS))
+    return GraphPlan.grid([rows], [key_tokens], BLOCK, max_previous_rows=len(PROMPTS))
 
 
 def _forced_tokens(step: int) -> list[int]:
@@ -69,7 +69,7 @@ def _decode_padded(model, cache, tables, rows: int, key_tokens: int, scratch_slo
         tokens = [0] * n if from_device else _forced_tokens(step)
         previous = list(range(n)) if from_device else [-1] * n
         graphs.load(tokens, [s + step for s in starts], list(range(n)), previous, tables, (rows, key_tokens), last)
-        graphs.run_eager(rows, key_tokens)
+        graphs.run_eager((rows, key_tokens))
         out.append(graphs.logits[:n].clone())
         last = torch.tensor(_forced_tokens(step + 1))
     return torch.stack(out)
@@ -125,6 +125,29 @@ def test_buckets():
     assert context_buckets(200) == [200]
 
 
+def test_long_contexts_are_captured_at_fewer_batch_sizes():
+    """Up to 8,192 tokens every batch size; beyond, the powers of two (and the largest) up to 2^23
+    rows x context tokens (the smallest size always): graphs reach the longest context a sequence
+    may have, with a bounded number of graphs and bounded memory."""
+    from engine_core.config import EngineConfig
+
+    plan = GraphPlan.from_config(EngineConfig(model="tiny", device="cuda", max_num_seqs=256), max_model_len=100_000)
+    assert plan.context_sizes == [1024, 2048, 4096, 8192, 16384, 32768, 65536, 100_000]
+    assert plan.rows_at(8192) == batch_buckets(256)
+    assert plan.rows_at(16384) == plan.rows_at(32768) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert plan.rows_at(65536)[-1] == 128 and plan.rows_at(100_000)[-1] == 64
+    assert all(rows * tokens <= 2**23 for rows, tokens in plan.buckets)
+    assert plan.widest_rows[-2:] == [(128, 65536), (64, 100_000)]
+    few = GraphPlan.from_config(EngineConfig(model="tiny", device="cuda", max_num_seqs=24), max_model_len=8216)
+    assert few.rows_at(8216) == [1, 2, 4, 8, 16, 24]  # the largest size too
+    narrow = GraphPlan.from_config(EngineConfig(model="tiny", device="cuda", max_num_seqs=8,
+                                                max_seq_len_to_capture=2000), 100_000)
+    assert narrow.buckets == tuple((rows, tokens) for tokens in (1024, 2000) for rows in (1, 2, 4, 8))
+    # a bucket's block tables are as wide as its context needs
+    assert plan.input_shape((4, 1024)) == (4, 4 + 1024 // 128)
+    assert plan.input_shape((2, 100_000)) == (2, 4 + 782)
+
+
 def test_padded_attention_does_not_depend_on_the_list_width():
     """Holes appended to every list (any number, across 64-entry blocks) change no row's output."""
     generator = torch.Generator().manual_seed(0)
@@ -151,7 +174,7 @@ def test_every_rank_picks_the_same_graph_from_the_whole_plan(tiny_model):
         return SequenceStep(seq_id, 0, start, [5], seq_id, list(range(1, 2 + start // BLOCK)), True)
 
     cache = V41Cache.allocate(tiny_model.cfg, 4, 2, BLOCK)
-    graphs = DecodeGraphs(tiny_model, cache, GraphPlan([1, 2, 4, 8], [64, 128], 8, 8), 1, 3)
+    graphs = DecodeGraphs(tiny_model, cache, GraphPlan.grid([1, 2, 4, 8], [64, 128], BLOCK, 8), 1, 3)
     busy, idle = [decode(1, 10), decode(2, 70), decode(3, 3)], []
     shape = StepShape.of([busy, idle])
     assert (shape.decode_only, shape.rows, shape.longest_context) == (True, 3, 71)
@@ -163,16 +186,40 @@ def test_every_rank_picks_the_same_graph_from_the_whole_plan(tiny_model):
     assert graphs.bucket(StepShape.of([[decode(1, 128)]])) is None  # beyond the longest context
 
 
+def test_a_step_replays_the_cheapest_bucket_that_covers_it(tiny_model, monkeypatch):
+    """The shortest context that covers the longest sequence (and its block table), then the fewest
+    rows; a step with more rows than that context's buckets hold takes a longer context, or none."""
+    from engine_core.protocol import SequenceStep
+    from workers import cuda_graphs
+    from workers.cuda_graphs import StepShape
+
+    def decode(seq_id: int, start: int, blocks: int | None = None) -> SequenceStep:
+        return SequenceStep(seq_id, 0, start, [5], seq_id, [1] * (blocks or 1 + start // BLOCK), True)
+
+    cache = V41Cache.allocate(tiny_model.cfg, 4, 2, BLOCK)
+    monkeypatch.setattr(cuda_graphs, "GRAPH_ROW_TOKENS", 4 * 128)
+    plan = GraphPlan.grid([1, 2, 3, 4], [64, 128, 256], BLOCK, 8, long_context=64)
+    assert plan.buckets == ((1, 64), (2, 64), (3, 64), (4, 64), (1, 128), (2, 128), (4, 128), (1, 256), (2, 256))
+    graphs = DecodeGraphs(tiny_model, cache, plan, 1, 3)
+    assert graphs.bucket(StepShape.of([[decode(1, 10), decode(2, 63)]])) == (2, 64)
+    assert graphs.bucket(StepShape.of([[decode(1, 10), decode(2, 64)]])) == (2, 128)
+    assert graphs.bucket(StepShape.of([[decode(1, 10, blocks=5)]])) == (1, 128)  # its table needs 5 columns
+    assert graphs.bucket(StepShape.of([[decode(i, 100) for i in range(3)]])) == (4, 128)
+    assert graphs.bucket(StepShape.of([[decode(i, 200) for i in range(3)]])) is None  # 2 rows only at 256
+    assert graphs.bucket(StepShape.of([[decode(1, 200)]])) == (1, 256)
+    assert graphs.inputs((1, 256)).shape == (1, 4 + 16) and graphs.inputs((4, 64)).shape == (4, 4 + 4)
+
+
 def test_load_fills_the_static_inputs(tiny_model):
     """``load`` writes each real row's token, position, slot, previous-step row and block table (the
     unused columns block 0), and the padding row below them, in the bucket's rows."""
     cache = V41Cache.allocate(tiny_model.cfg, 4, 2, BLOCK)
-    graphs = DecodeGraphs(tiny_model, cache, GraphPlan([1, 2, 4, 8], [64, 128], 8, 8), scratch_slot=1, scratch_block=3)
-    graphs.inputs.fill_(99)
+    graphs = DecodeGraphs(tiny_model, cache, GraphPlan.grid([1, 2, 4, 8], [64, 128], BLOCK, 8), scratch_slot=1, scratch_block=3)
+    graphs.inputs((8, 128)).fill_(99)
     graphs.load([5, 6, 7], [10, 70, 3], [0, 2, 1], [-1, 0, 1], [[1], [1, 2, 3, 4, 5], []], (4, 128),
                 torch.tensor([41, 42]))
     padding = [0, 0, 1, -1] + [3] * 8
-    assert graphs.inputs[:4].tolist() == [[5, 10, 0, -1, 1] + [0] * 7, [6, 70, 2, 0, 1, 2, 3, 4, 5, 0, 0, 0],
+    assert graphs.inputs((4, 128)).tolist() == [[5, 10, 0, -1, 1] + [0] * 7, [6, 70, 2, 0, 1, 2, 3, 4, 5, 0, 0, 0],
                                           [7, 3, 1, 1] + [0] * 8, padding]
-    assert graphs.inputs[4:].eq(99).all()  # rows beyond the bucket untouched
+    assert graphs.inputs((8, 128))[4:].eq(99).all()  # rows beyond the bucket untouched
     assert graphs.prev_tokens[:2].tolist() == [41, 42]

@@ -10,8 +10,11 @@ every address, so a decode step becomes a *padded decode* batch (``ForwardBatch.
   (the cache is allocated one slot and one block larger), so what they write is never read.
 * **Context buckets**: the indexer scores every compressed key up to a width fixed at capture
   (``key_tokens // ratio``), so graphs are also captured per context bucket: powers of two from
-  ``MIN_CONTEXT_BUCKET`` up to ``--max-seq-len-to-capture`` (and ``--max-model-len``). A step whose
-  longest sequence is beyond the last bucket runs eagerly.
+  ``MIN_CONTEXT_BUCKET`` up to ``--max-seq-len-to-capture`` (by default the longest context a
+  sequence may reach). Beyond ``FULL_BATCH_CONTEXT`` a context bucket holds fewer batch sizes, and
+  fewer rows (a step's padded keys grow with rows x context); a step that no bucket covers runs
+  eagerly. Each bucket's
+  static inputs hold block tables only as wide as its context needs.
 * **Inputs on the device**: one int64 row per sequence (token, position, slot, row of its input in
   the previous step's samples or -1, block table) is copied to a static buffer, and the graph
   itself reads a token that zero-overhead scheduling has not shown the host yet from the previous
@@ -50,6 +53,12 @@ from model.transformer import V41Model
 log = logging.getLogger(__name__)
 
 MIN_CONTEXT_BUCKET = 1024
+# every batch size is captured up to this context; longer context buckets take the powers of two
+# (and the largest size) up to GRAPH_ROW_TOKENS rows x context tokens: a step's padded index keys
+# take 64 bytes per row and context token (512 MiB at the limit, e.g. 256 rows of 32K tokens or 8 of
+# 1M), and the graphs' shared memory, reserved before the KV cache, must hold the largest
+FULL_BATCH_CONTEXT = 8192
+GRAPH_ROW_TOKENS = 2**23
 INPUT_COLUMNS = 4  # token, position, slot, previous-step row; then the block table
 
 
@@ -97,22 +106,37 @@ class StepShape:
 
 @dataclass(frozen=True)
 class GraphPlan:
-    """What to capture, resolved once from the engine config."""
+    """What to capture, resolved once from the engine config: a set of (rows, context) buckets."""
 
-    batch_sizes: list[int]
-    context_sizes: list[int]
-    table_width: int  # block-table columns of a sequence of the longest captured context
+    buckets: tuple[tuple[int, int], ...]  # (rows, key_tokens), by context then rows
+    block_size: int  # tokens per KV block: a bucket's block tables have table_width(key_tokens) columns
     max_previous_rows: int  # rows of the previous step's samples a step may refer to
+
+    @classmethod
+    def grid(cls, batch_sizes: list[int], context_sizes: list[int], block_size: int, max_previous_rows: int,
+             long_context: int | None = None) -> "GraphPlan":
+        """Every batch size at every context up to ``long_context`` tokens; beyond it, the powers of two
+        and the largest size, up to ``GRAPH_ROW_TOKENS`` rows x context tokens (the smallest size is
+        kept at every context)."""
+        def captured(rows: int, key_tokens: int) -> bool:
+            if long_context is None or key_tokens <= long_context or rows == min(batch_sizes):
+                return True
+            coarse = rows & (rows - 1) == 0 or rows == max(batch_sizes)
+            return coarse and rows * key_tokens <= GRAPH_ROW_TOKENS
+
+        buckets = tuple((rows, key_tokens) for key_tokens in sorted(context_sizes) for rows in sorted(batch_sizes)
+                        if captured(rows, key_tokens))
+        return cls(buckets, block_size, max_previous_rows)
 
     @classmethod
     def from_config(cls, config: EngineConfig, max_model_len: int, exchange_rows: int | None = None) -> "GraphPlan":
         """``exchange_rows``: the most token rows an MoE exchange carries per peer without a
         second round (expert parallelism), which bounds the batch sizes."""
-        longest = min(config.max_seq_len_to_capture, max_model_len)
+        longest = min(config.max_seq_len_to_capture or max_model_len, max_model_len)
         sizes = batch_buckets(config.max_num_seqs, config.cuda_graph_sizes)
         if exchange_rows is not None:
             sizes = [s for s in sizes if s <= exchange_rows] or [1]
-        return cls(sizes, context_buckets(longest), -(-longest // config.block_size), config.max_num_seqs)
+        return cls.grid(sizes, context_buckets(longest), config.block_size, config.max_num_seqs, FULL_BATCH_CONTEXT)
 
     @classmethod
     def for_engine(cls, config: EngineConfig, cfg, max_model_len: int) -> "GraphPlan":
@@ -129,8 +153,30 @@ class GraphPlan:
         return cls.from_config(config, max_model_len, exchange_rows)
 
     @property
-    def largest(self) -> tuple[int, int]:
-        return self.batch_sizes[-1], self.context_sizes[-1]
+    def batch_sizes(self) -> list[int]:
+        return sorted({rows for rows, _ in self.buckets})
+
+    @property
+    def context_sizes(self) -> list[int]:
+        return sorted({key_tokens for _, key_tokens in self.buckets})
+
+    def rows_at(self, key_tokens: int) -> list[int]:
+        """The batch sizes captured at this context."""
+        return [rows for rows, tokens in self.buckets if tokens == key_tokens]
+
+    def table_width(self, key_tokens: int) -> int:
+        """Block-table columns of a sequence of ``key_tokens`` tokens."""
+        return -(-key_tokens // self.block_size)
+
+    def input_shape(self, bucket: tuple[int, int]) -> tuple[int, int]:
+        """The static input rows of a bucket: ``INPUT_COLUMNS`` then its block-table columns."""
+        rows, key_tokens = bucket
+        return rows, INPUT_COLUMNS + self.table_width(key_tokens)
+
+    @property
+    def widest_rows(self) -> list[tuple[int, int]]:
+        """Each context's bucket of the most rows: the buckets whose forward may need the most memory."""
+        return [(max(self.rows_at(key_tokens)), key_tokens) for key_tokens in self.context_sizes]
 
 
 class DecodeGraphs:
@@ -142,41 +188,46 @@ class DecodeGraphs:
         self.model, self.cache, self.plan, self.dispatcher = model, cache, plan, dispatcher
         self.scratch_slot, self.scratch_block = scratch_slot, scratch_block
         device = model.device
-        rows = plan.batch_sizes[-1]
-        self.inputs = torch.zeros(rows, INPUT_COLUMNS + plan.table_width, dtype=torch.long, device=device)
+        # one buffer; each bucket reads its own [rows, columns] view (its block tables only as wide as
+        # its context needs: the host fills and copies no more than that at every step)
+        self._input_buffer = torch.zeros(max(rows * columns for rows, columns in map(plan.input_shape, plan.buckets)),
+                                         dtype=torch.long, device=device)
         self.prev_tokens = torch.zeros(max(plan.max_previous_rows, 1), dtype=torch.long, device=device)
-        self.logits = torch.empty(rows, model.cfg.vocab_size, dtype=torch.float32, device=device)
+        self.logits = torch.empty(plan.batch_sizes[-1], model.cfg.vocab_size, dtype=torch.float32, device=device)
         self.pool = None  # made at the first capture (run_eager also works on a CPU twin)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
+    def inputs(self, bucket: tuple[int, int]) -> torch.Tensor:
+        """The static inputs [rows, INPUT_COLUMNS + table columns] of a bucket (a view of one buffer)."""
+        rows, columns = self.plan.input_shape(bucket)
+        return self._input_buffer[:rows * columns].view(rows, columns)
+
     # ------------------------------------------------------------------ capture
     def capture_all(self) -> None:
-        """Capture every (batch, context) bucket, largest first so that smaller ones reuse its memory."""
+        """Capture every bucket, largest first so that smaller ones reuse its memory."""
         started, before = time.perf_counter(), torch.cuda.memory_reserved()
         self.pool = self.pool or torch.cuda.graph_pool_handle()
-        for rows in reversed(self.plan.batch_sizes):
-            for key_tokens in reversed(self.plan.context_sizes):
-                self._capture(rows, key_tokens)
+        for bucket in sorted(self.plan.buckets, key=lambda b: (b[0] * b[1], b[0]), reverse=True):
+            self._capture(bucket)
         torch.cuda.synchronize()
         log.info("CUDA graphs: %d decode graphs (batch %s; context %s tokens) captured in %.1f s, %.2f GiB",
                  len(self.graphs), _span(self.plan.batch_sizes), _span(self.plan.context_sizes),
                  time.perf_counter() - started, (torch.cuda.memory_reserved() - before) / 2**30)
 
-    def _capture(self, rows: int, key_tokens: int) -> None:
-        self._fill_padding(rows)
-        if self.dispatcher is not None:  # every rank captures the same sizes in the same order
-            self.dispatcher.set_step_tokens(rows)
-        self.run_eager(rows, key_tokens)  # compiles kernels and creates lazily made state, outside the graph
+    def _capture(self, bucket: tuple[int, int]) -> None:
+        self._prepare(bucket)
+        self.run_eager(bucket)  # compiles kernels and creates lazily made state, outside the graph
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         # thread_local: the communicator's watchdog thread may query its events meanwhile
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            self.run_eager(rows, key_tokens)
-        self.graphs[(rows, key_tokens)] = graph
+            self.run_eager(bucket)
+        self.graphs[bucket] = graph
 
-    def run_eager(self, rows: int, key_tokens: int) -> None:
-        """The padded forward of the first ``rows`` input rows, without a graph (what a graph replays)."""
-        inputs = self.inputs[:rows]
+    def run_eager(self, bucket: tuple[int, int]) -> None:
+        """The padded forward of a bucket's input rows, without a graph (what its graph replays)."""
+        rows, key_tokens = bucket
+        inputs = self.inputs(bucket)
         previous = inputs[:, 3]
         tokens = torch.where(previous >= 0, self.prev_tokens[previous.clamp(min=0)], inputs[:, 0])
         batch = ForwardBatch.padded_decode(tokens, inputs[:, 1].contiguous(), inputs[:, 2].contiguous(),
@@ -184,46 +235,52 @@ class DecodeGraphs:
         hidden = self.model.forward(batch, self.cache)
         self.logits[:rows].copy_(self.model.logits(hidden))
 
-    def activation_bytes(self) -> int:
-        """Peak bytes the largest graph's forward allocates, measured by running it eagerly (on a
-        scratch cache, before the real one is sized): what the graphs' shared pool will hold."""
-        rows, key_tokens = self.plan.largest
-        self._fill_padding(rows)
-        if self.dispatcher is not None:
-            self.dispatcher.set_step_tokens(rows)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        self.run_eager(rows, key_tokens)
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
+    def activation_bytes(self) -> tuple[int, tuple[int, int]]:
+        """Peak bytes a graph's forward allocates, measured by running the widest bucket of every
+        context eagerly (on a scratch cache, before the real one is sized), and that bucket: what the
+        graphs' shared pool will hold."""
+        peaks = {}
+        for bucket in self.plan.widest_rows:
+            self._prepare(bucket)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            self.run_eager(bucket)
+            torch.cuda.synchronize()
+            peaks[bucket] = torch.cuda.max_memory_allocated() - base
+        largest = max(peaks, key=peaks.get)
+        return peaks[largest], largest
 
     # ------------------------------------------------------------------ replay
     def bucket(self, shape: StepShape) -> tuple[int, int] | None:
-        """The graph a step of this shape replays, if any."""
-        if not shape.decode_only or shape.widest_table > self.plan.table_width:
+        """The graph a step of this shape replays, if any: of the shortest context that covers it, the
+        fewest rows that do."""
+        if not shape.decode_only:
             return None
-        rows = smallest_at_least(self.plan.batch_sizes, max(shape.rows, 1))
-        key_tokens = smallest_at_least(self.plan.context_sizes, shape.longest_context)
-        return None if rows is None or key_tokens is None else (rows, key_tokens)
+        for key_tokens in self.plan.context_sizes:
+            if key_tokens >= shape.longest_context and self.plan.table_width(key_tokens) >= shape.widest_table:
+                rows = smallest_at_least(self.plan.rows_at(key_tokens), max(shape.rows, 1))
+                if rows is not None:
+                    return rows, key_tokens
+        return None
 
     def load(self, tokens: list[int], positions: list[int], slots: list[int], previous_rows: list[int],
              block_tables: list[list[int]], bucket: tuple[int, int], last_sampled: torch.Tensor) -> None:
         """Fill the static inputs for a step (one host-to-device copy; no synchronisation)."""
-        rows, n = bucket[0], len(tokens)
+        n = len(tokens)
         # built in a numpy array: a Python list through torch.tensor took ~20x longer at 64-256 rows
         # (0.43 / 1.8 ms against 25 / 83 us on a 2-core CPU), host time that every decode step pays
-        host = np.zeros((rows, INPUT_COLUMNS + self.plan.table_width), dtype=np.int64)
+        host = np.zeros(self.plan.input_shape(bucket), dtype=np.int64)
         host[:n, 0], host[:n, 1], host[:n, 2], host[:n, 3] = tokens, positions, slots, previous_rows
         for i, table in enumerate(block_tables):  # unused table entries point at the padding block 0
             host[i, INPUT_COLUMNS:INPUT_COLUMNS + len(table)] = table
-        host[n:] = self._padding_row
+        host[n:] = self._padding_row(host.shape[1])
         # a fresh pinned tensor from torch's caching host allocator: it is not handed out again
         # before this asynchronous copy has run, even when the host is a step ahead of the device
         host = torch.from_numpy(host)
-        if self.inputs.is_cuda:
+        if self._input_buffer.is_cuda:
             host = host.pin_memory()
-        self.inputs[:rows].copy_(host, non_blocking=True)
+        self.inputs(bucket).copy_(host, non_blocking=True)
         if last_sampled.numel():
             self.prev_tokens[:last_sampled.shape[0]].copy_(last_sampled)
 
@@ -233,13 +290,17 @@ class DecodeGraphs:
         return self.logits[:num_rows]
 
     # ------------------------------------------------------------------ helpers
-    @property
-    def _padding_row(self) -> list[int]:
+    def _padding_row(self, columns: int) -> list[int]:
         """A row beyond the real ones: token 0 at position 0 in the scratch slot and block."""
-        return [0, 0, self.scratch_slot, -1] + [self.scratch_block] * self.plan.table_width
+        return [0, 0, self.scratch_slot, -1] + [self.scratch_block] * (columns - INPUT_COLUMNS)
 
-    def _fill_padding(self, rows: int) -> None:
-        self.inputs[:rows] = torch.tensor(self._padding_row, dtype=torch.long, device=self.inputs.device)
+    def _prepare(self, bucket: tuple[int, int]) -> None:
+        """Inputs of padding rows only, and (expert parallelism) the exchanges sized for the bucket:
+        every rank captures and measures the same buckets in the same order."""
+        inputs = self.inputs(bucket)
+        inputs[:] = torch.tensor(self._padding_row(inputs.shape[1]), dtype=torch.long, device=inputs.device)
+        if self.dispatcher is not None:
+            self.dispatcher.set_step_tokens(bucket[0])
 
 
 def _span(sizes: list[int]) -> str:

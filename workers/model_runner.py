@@ -132,11 +132,10 @@ class ModelRunner:
         """Peak activation bytes of the largest graph's forward (run eagerly on a scratch cache): what
         the graphs' memory pool will hold, reserved before the cache is sized."""
         scratch = V41Cache.allocate(self.cfg, 2, 1, self.config.block_size, self.device)
-        peak = DecodeGraphs(self.model, scratch, self.graph_plan, scratch_slot=0, scratch_block=1,
-                            dispatcher=self.expert_parallel).activation_bytes()
+        peak, (rows, key_tokens) = DecodeGraphs(self.model, scratch, self.graph_plan, scratch_slot=0, scratch_block=1,
+                                                dispatcher=self.expert_parallel).activation_bytes()
         del scratch
         torch.cuda.empty_cache()
-        rows, key_tokens = self.graph_plan.largest
         log.info("CUDA graphs: the largest decode graph (batch %d, context %d) needs %.2f GiB of activations",
                  rows, key_tokens, peak / 2**30)
         return peak
