@@ -68,11 +68,19 @@ def candidate_mask(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int
     newest = (visible - 1).div(block_size, rounding_mode="floor")  # the query's partly filled block
     block_ids = device_ranges.arange(num_blocks, scores.device)
     block_scores = block_scores.masked_fill(block_ids == newest.unsqueeze(-1), torch.inf)
-    take = min(topk_blocks, num_blocks)
+    return best_blocks(block_scores, topk_blocks).repeat_interleave(block_size, dim=-1)[:, :width]
+
+
+def best_blocks(block_scores: torch.Tensor, topk_blocks: int) -> torch.Tensor:
+    """bool [S, N]: each row's ``topk_blocks`` best blocks (ties: the lower block), those above -inf."""
+    if topk_blocks >= block_scores.shape[-1]:
+        # every block ranks among the best (V4.1 keeps 2,048 blocks of 8 entries: any context below
+        # 64K tokens): no sort, the same mask
+        return block_scores > -torch.inf
     ranked = torch.sort(block_scores, dim=-1, descending=True, stable=True)
     keep = torch.zeros_like(block_scores, dtype=torch.bool)
-    keep.scatter_(-1, ranked.indices[:, :take], ranked.values[:, :take] > -torch.inf)
-    return keep.repeat_interleave(block_size, dim=-1)[:, :width]
+    keep.scatter_(-1, ranked.indices[:, :topk_blocks], ranked.values[:, :topk_blocks] > -torch.inf)
+    return keep
 
 
 SCORE_ELEMENTS = 2**27  # elements of the largest per-query key or per-head score tensor made at once

@@ -35,3 +35,20 @@ def test_sliced_scoring_equals_one_slice(tiny_model, monkeypatch):
         other = sliced_state.selections[layer]
         assert torch.equal(selection.entries, other.entries) and torch.equal(selection.counts, other.counts)
     assert torch.equal(whole_state.candidates, sliced_state.candidates)
+
+
+def test_best_blocks_keeps_the_top_blocks_above_minus_infinity():
+    """The first level's block choice, against a plain ranking (score descending, then block id):
+    with fewer blocks than it keeps (no sort: every V4.1 context below 64K) and with more."""
+    generator = torch.Generator().manual_seed(3)
+    scores = torch.randint(-3, 4, (5, 9), generator=generator).float().bfloat16()
+    scores[0, 4:] = -torch.inf  # blocks a query cannot see
+    scores[1, :] = -torch.inf
+    scores[2, 6] = torch.inf  # the query's newest block
+    for keep in (2, 5, 9, 12):
+        expected = torch.zeros(scores.shape, dtype=torch.bool)
+        for row in range(scores.shape[0]):
+            ranked = sorted(range(scores.shape[1]), key=lambda b: (-float(scores[row, b]), b))[:keep]
+            for b in ranked:
+                expected[row, b] = float(scores[row, b]) > float("-inf")
+        assert torch.equal(indexer.best_blocks(scores, keep), expected), keep
