@@ -11,11 +11,8 @@ threshold:
 
 1. Each score becomes a 16-bit key whose unsigned order is the scores' order (bf16 bits, the sign
    folded; -0.0 counts as +0.0, as the comparison of floats does; holes past ``E`` are -1).
-2. The k-th largest key, from the top: the largest ``t`` with ``#(key >= t) >= k``. A row that fits
-   in one step (``BLOCK`` entries, every row of a decode step up to a 16K context) is read once
-   and its threshold found four bits at a time: each pass counts the keys at or above all 16
-   values of the next digit at once (four dependent passes; a decode step has one program per row,
-   so the chain of passes is its latency). A longer row is re-read in 16 passes of one bit each.
+2. The k-th largest key, bit by bit from the top: the largest ``t`` with ``#(key >= t) >= k`` (16
+   counting passes over the row).
 3. One pass keeps every key above it and the first ``k - #(key > t)`` keys equal to it (ties to the
    lower entry, by a running count), and writes each kept entry at its rank among the kept ones,
    which is the increasing entry order.
@@ -53,27 +50,17 @@ def _count_at_least(row_ptr, E, bound, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _top_entries_kernel(scores_ptr, k_ptr, out_ptr, E, K_MAX, stride_s, stride_o, BLOCK: tl.constexpr,
-                        ONE_BLOCK: tl.constexpr):
+def _top_entries_kernel(scores_ptr, k_ptr, out_ptr, E, K_MAX, stride_s, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = scores_ptr + row * stride_s
     out_row = out_ptr + row * stride_o
     k = tl.minimum(tl.load(k_ptr + row), K_MAX).to(tl.int32)
 
     threshold = 0  # the k-th largest key (0xFFFF when k = 0: nothing is above it)
-    if ONE_BLOCK:
-        keys = _keys(row_ptr, tl.arange(0, BLOCK), E)  # held in registers for every pass
-        digits = tl.arange(0, 16)
-        for shift in tl.static_range(12, -4, -4):
-            candidates = threshold | (digits << shift)  # counts fall as the digit grows
-            counts = tl.sum((keys[None, :] >= candidates[:, None]).to(tl.int32), axis=1)
-            threshold = threshold | (tl.max(tl.where(counts >= k, digits, 0), axis=0) << shift)
-        ties_wanted = k - tl.sum((keys > threshold).to(tl.int32), axis=0)
-    else:
-        for bit in tl.static_range(15, -1, -1):
-            candidate = threshold | (1 << bit)
-            threshold = tl.where(_count_at_least(row_ptr, E, candidate, BLOCK) >= k, candidate, threshold)
-        ties_wanted = k - _count_at_least(row_ptr, E, threshold + 1, BLOCK)
+    for bit in tl.static_range(15, -1, -1):
+        candidate = threshold | (1 << bit)
+        threshold = tl.where(_count_at_least(row_ptr, E, candidate, BLOCK) >= k, candidate, threshold)
+    ties_wanted = k - _count_at_least(row_ptr, E, threshold + 1, BLOCK)
 
     ties_before = 0
     kept_before = 0
@@ -109,6 +96,5 @@ def top_entries(scores: torch.Tensor, k_per_row: torch.Tensor, k_max: int) -> to
         return out
     block, warps = block_size(width)
     _top_entries_kernel[(rows,)](scores.view(torch.int16), k_per_row.contiguous(), out, width, k_max,
-                                 scores.stride(0), out.stride(0), BLOCK=block, ONE_BLOCK=width <= block,
-                                 num_warps=warps)
+                                 scores.stride(0), out.stride(0), BLOCK=block, num_warps=warps)
     return out
