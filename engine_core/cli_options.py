@@ -3,8 +3,10 @@
 
 A configuration field becomes a flag by carrying ``flag(...)`` in its metadata: the help text, the
 flag names (default ``--field-name``; vLLM's names and short forms go here), and how the help
-states a default that is resolved later (a field whose default is ``None``). The flag's type and
-default come from the field itself, so the dataclass is the one place an option is declared:
+states a default that is resolved later (``default_help``: such a flag's own default is ``None``, so
+that the resolver, e.g. ``engine_config_from_args`` for ``--device``, can tell it was not given).
+The flag's type and default otherwise come from the field itself, so the dataclass is the one place
+an option is declared:
 
     max_num_seqs: int = field(default=64, metadata=flag("running sequences per DP rank"))
 
@@ -79,6 +81,8 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, title: str, 
                                                help=f"the opposite of {names[0]}")
                 negative.default_text = f"{names[0]} {action.default_text}"
         else:
+            if spec.default_help is not None:  # resolved later: None tells the resolver the flag was not given
+                default = None
             action = group.add_argument(*names, dest=field.name, type=kind, default=default, help=spec.help,
                                         choices=spec.choices, metavar=spec.metavar, nargs="+" if is_tuple else None)
             if spec.default_help is not None:

@@ -120,6 +120,22 @@ def test_vllm_flag_names_fill_the_engine_config(tiny_checkpoint):
     assert build_parser().parse_args(["run-batch", "--input", "a", "--output", "b"]).command_name == "generate"
 
 
+def test_device_defaults_to_cuda_when_torch_sees_one(tiny_checkpoint, monkeypatch):
+    """``serve`` without ``--device`` runs where its help says: cuda if available, else cpu (the
+    engine config's own default, cpu, is for programs that build it directly)."""
+    import torch
+
+    from engine_core.config import engine_config_from_args
+
+    def device(available: bool) -> str:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: int(available))
+        return engine_config_from_args(build_parser().parse_args(["serve", str(tiny_checkpoint)])).device
+
+    assert (device(True), device(False)) == ("cuda", "cpu")
+    assert build_parser().parse_args(["serve", "--device", "cpu"]).device == "cpu"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["serve", "/no/such/model"], "model directory /no/such/model does not exist"),
     (["serve", "{ckpt}", "--max-model-len", "5000"], "--max-model-len 5000 is larger than the model's limit of 4096"),
