@@ -196,6 +196,9 @@ class DecodeGraphs:
         self.logits = torch.empty(plan.batch_sizes[-1], model.cfg.vocab_size, dtype=torch.float32, device=device)
         self.pool = None  # made at the first capture (run_eager also works on a CPU twin)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # what ``bucket`` searches at every step, per context in increasing order: (tokens, block-table
+        # columns, batch sizes)
+        self._contexts = [(tokens, plan.table_width(tokens), plan.rows_at(tokens)) for tokens in plan.context_sizes]
 
     def inputs(self, bucket: tuple[int, int]) -> torch.Tensor:
         """The static inputs [rows, INPUT_COLUMNS + table columns] of a bucket (a view of one buffer)."""
@@ -257,9 +260,9 @@ class DecodeGraphs:
         fewest rows that do."""
         if not shape.decode_only:
             return None
-        for key_tokens in self.plan.context_sizes:
-            if key_tokens >= shape.longest_context and self.plan.table_width(key_tokens) >= shape.widest_table:
-                rows = smallest_at_least(self.plan.rows_at(key_tokens), max(shape.rows, 1))
+        for key_tokens, columns, sizes in self._contexts:
+            if key_tokens >= shape.longest_context and columns >= shape.widest_table:
+                rows = smallest_at_least(sizes, max(shape.rows, 1))
                 if rows is not None:
                     return rows, key_tokens
         return None
