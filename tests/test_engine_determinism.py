@@ -1,14 +1,18 @@
-"""Engine-level determinism with the real tiny model on CPU (batch-invariant mode, the CPU default).
+"""Engine-level determinism with the real tiny model, batch-invariant (the CPU default; on CUDA
+asked for, with decode steps replaying CUDA graphs and the Triton kernels).
 
 The same request (same seed; greedy and sampled) must give bitwise the same tokens and logprobs
 (a) alone, (b) inside a batch of 16 mixed requests, (c) under block and slot shortage that forces
 preemption and recomputation, (d) with zero-overhead scheduling on and off, (e) with chunked
-prefill. Every block and slot must be free once everything has finished.
+prefill. Every block and slot must be free once everything has finished. On CUDA (marked ``gpu``)
+a recomputed sequence's prompt runs as prefill chunks where its tokens first ran as graph decode
+steps: the two forms must agree bit for bit.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine_core.protocol import SamplingParams
 from frontend.llm import LLM
@@ -59,9 +63,21 @@ def signature(result) -> tuple:
     return tuple(result.token_ids), result.finish_reason, logprobs
 
 
-def run_batch(checkpoint, indices=range(len(PROMPTS)), **engine_args):
-    llm = LLM(str(checkpoint), **engine_args)
-    assert llm.config.resolved_batch_invariant  # the CPU default
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def device(request) -> str:
+    return request.param
+
+
+def make_llm(checkpoint, device: str, **engine_args) -> LLM:
+    llm = LLM(str(checkpoint), device=device, batch_invariant=True, **engine_args)
+    if device == "cuda":  # decode steps replay graphs, prefill and mixed steps run eagerly
+        assert llm.engine.executor.runner.graphs is not None
+    return llm
+
+
+def run_batch(checkpoint, device: str, indices=range(len(PROMPTS)), **engine_args):
+    llm = make_llm(checkpoint, device, **engine_args)
     results = llm.generate([PROMPTS[i] for i in indices], [PARAMS[i] for i in indices], use_tqdm=False)
     stats = llm.engine.stats()
     assert not llm.engine.has_work
@@ -70,8 +86,8 @@ def run_batch(checkpoint, indices=range(len(PROMPTS)), **engine_args):
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny_checkpoint):
-    sigs, stats = run_batch(tiny_checkpoint, **BASE)
+def baseline(tiny_checkpoint, device):
+    sigs, stats = run_batch(tiny_checkpoint, device, **BASE)
     return sigs
 
 
@@ -87,8 +103,8 @@ def test_baseline_batch_is_sane(baseline):
     assert all(len(s[0]) == PARAMS[i].max_tokens for i, s in enumerate(baseline) if PARAMS[i].ignore_eos)
 
 
-def test_alone_equals_in_batch(tiny_checkpoint, baseline):
-    llm = LLM(str(tiny_checkpoint), **BASE)
+def test_alone_equals_in_batch(tiny_checkpoint, device, baseline):
+    llm = make_llm(tiny_checkpoint, device, **BASE)
     for i in ALONE:
         (result,) = llm.generate([PROMPTS[i]], [PARAMS[i]], use_tqdm=False)
         assert signature(result) == baseline[i], f"request {i} alone differs from request {i} in the batch"
@@ -96,39 +112,39 @@ def test_alone_equals_in_batch(tiny_checkpoint, baseline):
     assert stats.kv_blocks_used == 0 and stats.state_slots_used == 0
 
 
-def test_sampling_depends_on_the_seed(tiny_checkpoint, baseline):
+def test_sampling_depends_on_the_seed(tiny_checkpoint, device, baseline):
     """Guards the other tests against a sampler that ignores its noise (they would pass vacuously)."""
-    llm = LLM(str(tiny_checkpoint), **BASE)
+    llm = make_llm(tiny_checkpoint, device, **BASE)
     other = [SamplingParams(**{**{f: getattr(PARAMS[i], f) for f in PARAMS[i].__struct_fields__}, "seed": 999})
              for i in (1, 5)]
     results = llm.generate([PROMPTS[1], PROMPTS[5]], other, use_tqdm=False)
     assert any(tuple(r.token_ids) != baseline[i][0] for r, i in zip(results, (1, 5)))
 
 
-def test_preemption_and_recomputation_give_the_same_tokens(tiny_checkpoint, baseline):
+def test_preemption_and_recomputation_give_the_same_tokens(tiny_checkpoint, device, baseline):
     assert max(LENGTHS[i] + PARAMS[i].max_tokens for i in TIGHT_REQUESTS) <= 9 * 16
-    sigs, stats = run_batch(tiny_checkpoint, TIGHT_REQUESTS, **TIGHT)
+    sigs, stats = run_batch(tiny_checkpoint, device, TIGHT_REQUESTS, **TIGHT)
     assert stats.preemptions > 0, "the tight configuration must actually preempt"
     assert stats.kv_blocks_total == 9 and stats.state_slots_total == 3
     assert [i for i, sig in zip(TIGHT_REQUESTS, sigs) if sig != baseline[i]] == []
 
 
-def test_zos_off_gives_the_same_tokens(tiny_checkpoint, baseline):
-    sigs, _ = run_batch(tiny_checkpoint, **dict(BASE, zos=False))
+def test_zos_off_gives_the_same_tokens(tiny_checkpoint, device, baseline):
+    sigs, _ = run_batch(tiny_checkpoint, device, **dict(BASE, zos=False))
     assert [i for i in range(16) if sigs[i] != baseline[i]] == []
 
 
-def test_chunked_prefill_gives_the_same_tokens(tiny_checkpoint, baseline):
-    sigs, _ = run_batch(tiny_checkpoint, **dict(BASE, max_num_batched_tokens=32))
+def test_chunked_prefill_gives_the_same_tokens(tiny_checkpoint, device, baseline):
+    sigs, _ = run_batch(tiny_checkpoint, device, **dict(BASE, max_num_batched_tokens=32))
     assert [i for i in range(16) if sigs[i] != baseline[i]] == []
 
 
 @pytest.mark.parametrize("engine_args", [dict(BASE, max_num_batched_tokens=64), dict(TIGHT, max_num_batched_tokens=64)],
                          ids=["chunked", "preempting"])
-def test_mixed_steps_give_the_same_tokens(tiny_checkpoint, baseline, engine_args):
+def test_mixed_steps_give_the_same_tokens(tiny_checkpoint, device, baseline, engine_args):
     """Decode rows beside prompt chunks (``--mixed-steps``): the same tokens, and such steps did run."""
     indices = TIGHT_REQUESTS if engine_args["num_blocks"] == TIGHT["num_blocks"] else range(16)
-    llm = LLM(str(tiny_checkpoint), mixed_steps=True, **engine_args)
+    llm = make_llm(tiny_checkpoint, device, mixed_steps=True, **engine_args)
     schedule, mixed = llm.engine.scheduler.schedule, []
 
     def recording_schedule():
