@@ -121,7 +121,8 @@ class EngineConfig:
         "size >= n, padded", metavar="N", default_help="1 2 4 8, then every 8 up to --max-num-seqs"))
     max_seq_len_to_capture: int | None = field(default=None, metadata=flag(
         "longest context (tokens) a CUDA-graph decode step covers; a step with a longer sequence runs eagerly "
-        "(beyond 8192 tokens, only power-of-two batch sizes, up to 2^23 rows x tokens per graph)", default_help="the longest context a sequence may reach (--max-model-len)"))
+        "(beyond 8192 tokens, only power-of-two batch sizes, up to 2^23 rows x tokens per graph)",
+        default_help="the longest context a sequence may reach (--max-model-len)"))
 
     @property
     def resolved_batch_invariant(self) -> bool:

@@ -70,9 +70,12 @@ def device(request) -> str:
 
 
 def make_llm(checkpoint, device: str, **engine_args) -> LLM:
-    llm = LLM(str(checkpoint), device=device, batch_invariant=True, **engine_args)
-    if device == "cuda":  # decode steps replay graphs, prefill and mixed steps run eagerly
+    if device == "cuda":  # asked for there; decode steps replay graphs, prefill and mixed steps run eagerly
+        llm = LLM(str(checkpoint), device=device, batch_invariant=True, **engine_args)
         assert llm.engine.executor.runner.graphs is not None
+    else:
+        llm = LLM(str(checkpoint), device=device, **engine_args)
+    assert llm.config.resolved_batch_invariant  # the CPU default
     return llm
 
 

@@ -214,7 +214,8 @@ def test_load_fills_the_static_inputs(tiny_model):
     """``load`` writes each real row's token, position, slot, previous-step row and block table (the
     unused columns block 0), and the padding row below them, in the bucket's rows."""
     cache = V41Cache.allocate(tiny_model.cfg, 4, 2, BLOCK)
-    graphs = DecodeGraphs(tiny_model, cache, GraphPlan.grid([1, 2, 4, 8], [64, 128], BLOCK, 8), scratch_slot=1, scratch_block=3)
+    graphs = DecodeGraphs(tiny_model, cache, GraphPlan.grid([1, 2, 4, 8], [64, 128], BLOCK, 8), scratch_slot=1,
+                          scratch_block=3)
     graphs.inputs((8, 128)).fill_(99)
     graphs.load([5, 6, 7], [10, 70, 3], [0, 2, 1], [-1, 0, 1], [[1], [1, 2, 3, 4, 5], []], (4, 128),
                 torch.tensor([41, 42]))

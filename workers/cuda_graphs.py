@@ -13,8 +13,7 @@ every address, so a decode step becomes a *padded decode* batch (``ForwardBatch.
   ``MIN_CONTEXT_BUCKET`` up to ``--max-seq-len-to-capture`` (by default the longest context a
   sequence may reach). Beyond ``FULL_BATCH_CONTEXT`` a context bucket holds fewer batch sizes, and
   fewer rows (a step's padded keys grow with rows x context); a step that no bucket covers runs
-  eagerly. Each bucket's
-  static inputs hold block tables only as wide as its context needs.
+  eagerly. Each bucket's static inputs hold block tables only as wide as its context needs.
 * **Inputs on the device**: one int64 row per sequence (token, position, slot, row of its input in
   the previous step's samples or -1, block table) is copied to a static buffer, and the graph
   itself reads a token that zero-overhead scheduling has not shown the host yet from the previous
