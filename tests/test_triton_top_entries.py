@@ -39,7 +39,9 @@ def kernel(scores, k, k_max):
     return top_entries(scores.to(device()), k.to(device()), k_max).cpu()
 
 
-CASES = [(6, 40, 16, 3), (9, 300, 64, 40), (5, 5000, 512, 6), (3, 9000, 512, 3000)]  # rows, width, k_max, levels
+# rows, width, k_max, levels: rows held in registers (up to MAX_TILE entries) and rows re-read in
+# steps of MAX_BLOCK (the last case)
+CASES = [(6, 40, 16, 3), (9, 300, 64, 40), (5, 5000, 512, 6), (3, 9000, 512, 3000), (2, 17000, 512, 3000)]
 
 
 @pytest.mark.parametrize("rows,width,k_max,levels", CASES)
@@ -78,9 +80,10 @@ def test_strided_scores_and_empty_inputs():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("rows,width", [(1, 2075), (64, 2075), (8192, 2048), (4, 32768)])
+@pytest.mark.parametrize("rows,width", [(1, 4096), (1, 8192), (64, 8192), (8192, 8192), (1, 16384), (4, 32768)])
 def test_equals_the_twin_on_cuda_at_real_sizes(rows, width):
-    """Decode rows over an 8K context's padded entries, an 8K prefill's rows, a 128K context."""
+    """Decode rows over an 8K context's entries at ratios 2 and 1, an 8K prefill's rows at ratio 1,
+    a 16K context (the longest row held in registers), a 32K context (rows re-read)."""
     scores = random_scores(rows, width, 200, seed=rows).cuda()
     k = torch.randint(0, 513, (rows,), device="cuda")
     from model.kernels.triton_top_entries import top_entries
