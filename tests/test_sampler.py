@@ -345,7 +345,7 @@ def test_cpu_and_cuda_agree():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_rows_without_top_logprobs_agree_with_cpu():
-    """Without top logprobs CUDA reduces the rows with ``triton_greedy`` (no log_softmax): the same
+    """CUDA reduces the rows with ``triton_greedy`` (no log_softmax): the same
     greedy and sampled tokens as the CPU. The chosen logprob ``x - lse`` is judged against float64: its
     error is the rounding of ``lse = M + log(S)`` and of the subtraction (an ulp of ``|lse|`` each,
     ~20 here), ``log``'s (an ulp) and the relative error of the tree-summed ``S`` (the chunks' 4,096
@@ -362,3 +362,27 @@ def test_cuda_rows_without_top_logprobs_agree_with_cpu():
     bound = 4 * torch.finfo(torch.float32).eps * 2.0 ** torch.floor(torch.log2(exact_lse.abs())) \
         + math.log2(logits.shape[1]) * 2.0 ** -24
     assert ((gpu.logprobs.cpu().double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_logprobs_do_not_depend_on_the_other_rows():
+    """A row's logprob on CUDA is the same bits whether or not another row of its step asks for top
+    logprobs (the whole step took torch's log_softmax then, a few ulps from ``x - lse``, which made the
+    engine's determinism tests fail on CUDA); a top list holds the chosen token's logprob exactly."""
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(3, 129280, generator=g) * 4
+    plain = RowSpec(SamplingParams(temperature=0.0, logprobs=0), 1, 10)
+    wants_top = RowSpec(SamplingParams(temperature=0.0, logprobs=3), 2, 11)
+    sampled = RowSpec(SamplingParams(temperature=0.9, seed=4, logprobs=0), 3, 12)
+    alone = [run(logits[i:i + 1], [row], "cuda") for i, row in enumerate((plain, wants_top, sampled))]
+    together = run(logits, [plain, wants_top, sampled], "cuda")
+    for i in range(3):
+        assert together.token_ids[i] == alone[i].token_ids[0]
+        assert torch.equal(together.logprobs[i:i + 1], alone[i].logprobs), i
+    assert torch.equal(together.top_logprobs[1], alone[1].top_logprobs[0])
+    assert together.top_logprob_ids[1, 0] == together.token_ids[1]  # greedy: its token heads the list
+    assert together.top_logprobs[1, 0] == together.logprobs[1]
+    exact = torch.log_softmax(logits[1].double(), dim=-1).topk(3)
+    assert torch.equal(together.top_logprob_ids[1].cpu(), exact.indices)
+    assert torch.allclose(together.top_logprobs[1].cpu().double(), exact.values, rtol=0, atol=1e-5)

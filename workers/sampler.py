@@ -154,9 +154,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     logits = logits.to(torch.float32)
     processed = apply_penalties_and_bias(logits, batch)
     n = min(batch.max_num_logprobs, batch.vocab_size)
-    if logits.is_cuda and n == 0:
+    if logits.is_cuda:
         # two launches for any number of rows, where torch reduces each row in one block (slow for a
-        # few rows); its argmax is torch's, its logprob torch's to a few ulps (triton_greedy.py)
+        # few rows); its argmax is torch's, its logprobs torch's to a few ulps (triton_greedy.py).
+        # Every row takes this path whatever the other rows ask for: a row's logprob computed by
+        # torch's log_softmax when another row of the step wanted top logprobs, by this kernel
+        # otherwise, would depend on its batch by those ulps
         from model.kernels.triton_greedy import row_lse_and_argmax
 
         raw_logprobs = None
@@ -179,13 +182,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         drawn = gumbel_argmax(x, batch.keys.index_select(0, rows), batch.mixed_tokens)
         token_ids = token_ids.index_copy(0, rows, drawn)
 
+    top_ids = top_vals = None
     if raw_logprobs is None:
         chosen = logits.gather(1, token_ids[:, None]).squeeze(1) - lse
+        if n > 0:  # the same subtraction as the chosen token's: the two lists agree bit for bit
+            top_logits, top_ids = torch.topk(logits, n, dim=-1, largest=True, sorted=True)
+            top_vals = top_logits - lse[:, None]
     else:
         chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
-    top_ids = top_vals = None
-    if n > 0:
-        top_vals, top_ids = torch.topk(raw_logprobs, n, dim=-1, largest=True, sorted=True)
+        if n > 0:
+            top_vals, top_ids = torch.topk(raw_logprobs, n, dim=-1, largest=True, sorted=True)
     return SamplerOutput(token_ids, chosen, top_ids, top_vals)
 
 
