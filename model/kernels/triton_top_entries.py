@@ -16,13 +16,14 @@ threshold:
    ratio 1) is read once and its keys held in registers across the passes: a decode step has one
    program per row, so the chain of 16 dependent counts is its latency, and each count is then a
    few compares per thread and one block-wide sum instead of re-reading the row (one row of 8,192
-   entries: 26.5 -> 11.1 µs on one H200). A longer row is re-read ``BLOCK`` entries at a time in every pass.
+   entries: 26.5 -> 11.1 µs on one H200). A longer row is re-read ``BLOCK`` entries at a time in
+   every pass.
 3. One pass keeps every key above it and the first ``k - #(key > t)`` keys equal to it (ties to the
    lower entry, by a running count), and writes each kept entry at its rank among the kept ones,
    which is the increasing entry order.
 
-Counts and ranks carry over from one ``BLOCK`` of a long row to the next. One program per row: no result depends on the batch. Integer arithmetic only, so the entries
-equal the twin's exactly.
+Counts and ranks carry over from one ``BLOCK`` of a long row to the next. One program per row: no
+result depends on the batch. Integer arithmetic only, so the entries equal the twin's exactly.
 """
 
 from __future__ import annotations
