@@ -55,6 +55,18 @@ def _count_at_least(row_ptr, E, bound, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _keep_step(out_row, key, offs, threshold, ties_wanted, ties_before, kept_before):
+    """Step 3 on one step of a row: write the kept entries of ``key`` (at ``offs``) at their ranks,
+    given the ties and kept entries of the steps before it; returns this step's (ties, kept)."""
+    tie = (key == threshold).to(tl.int32)
+    tie_rank = ties_before + tl.cumsum(tie, axis=0) - tie
+    kept = ((key > threshold) | ((tie == 1) & (tie_rank < ties_wanted))).to(tl.int32)
+    rank = kept_before + tl.cumsum(kept, axis=0) - kept
+    tl.store(out_row + rank, offs.to(tl.int64), mask=kept == 1)
+    return tl.sum(tie, axis=0), tl.sum(kept, axis=0)
+
+
+@triton.jit
 def _top_entries_kernel(scores_ptr, k_ptr, out_ptr, E, K_MAX, stride_s, stride_o, BLOCK: tl.constexpr,
                         ONE_TILE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -70,12 +82,7 @@ def _top_entries_kernel(scores_ptr, k_ptr, out_ptr, E, K_MAX, stride_s, stride_o
             candidate = threshold | (1 << bit)
             threshold = tl.where(tl.sum((key >= candidate).to(tl.int32), axis=0) >= k, candidate, threshold)
         ties_wanted = k - tl.sum((key > threshold).to(tl.int32), axis=0)
-        tie = (key == threshold).to(tl.int32)
-        tie_rank = tl.cumsum(tie, axis=0) - tie
-        kept = ((key > threshold) | ((tie == 1) & (tie_rank < ties_wanted))).to(tl.int32)
-        rank = tl.cumsum(kept, axis=0) - kept
-        tl.store(out_row + rank, offs.to(tl.int64), mask=kept == 1)
-        kept_before = tl.sum(kept, axis=0)
+        _, kept_before = _keep_step(out_row, key, offs, threshold, ties_wanted, 0, 0)
     else:
         for bit in tl.static_range(15, -1, -1):
             candidate = threshold | (1 << bit)
@@ -85,14 +92,10 @@ def _top_entries_kernel(scores_ptr, k_ptr, out_ptr, E, K_MAX, stride_s, stride_o
         kept_before = 0
         for start in range(0, E, BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            key = _keys(row_ptr, offs, E)
-            tie = (key == threshold).to(tl.int32)
-            tie_rank = ties_before + tl.cumsum(tie, axis=0) - tie
-            kept = ((key > threshold) | ((tie == 1) & (tie_rank < ties_wanted))).to(tl.int32)
-            rank = kept_before + tl.cumsum(kept, axis=0) - kept
-            tl.store(out_row + rank, offs.to(tl.int64), mask=kept == 1)
-            ties_before += tl.sum(tie, axis=0)
-            kept_before += tl.sum(kept, axis=0)
+            ties, kept = _keep_step(out_row, _keys(row_ptr, offs, E), offs, threshold, ties_wanted, ties_before,
+                                    kept_before)
+            ties_before += ties
+            kept_before += kept
     for start in range(0, K_MAX, BLOCK):  # unused columns: 0, as the twin leaves them
         cols = start + tl.arange(0, BLOCK)
         tl.store(out_row + cols, tl.zeros((BLOCK,), tl.int64), mask=(cols >= kept_before) & (cols < K_MAX))
