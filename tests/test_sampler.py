@@ -371,18 +371,20 @@ def test_cuda_logprobs_do_not_depend_on_the_other_rows():
     logprobs (the whole step took torch's log_softmax then, a few ulps from ``x - lse``, which made the
     engine's determinism tests fail on CUDA); a top list holds the chosen token's logprob exactly."""
     g = torch.Generator().manual_seed(6)
-    logits = torch.randn(3, 129280, generator=g) * 4
-    plain = RowSpec(SamplingParams(temperature=0.0, logprobs=0), 1, 10)
-    wants_top = RowSpec(SamplingParams(temperature=0.0, logprobs=3), 2, 11)
-    sampled = RowSpec(SamplingParams(temperature=0.9, seed=4, logprobs=0), 3, 12)
-    alone = [run(logits[i:i + 1], [row], "cuda") for i, row in enumerate((plain, wants_top, sampled))]
-    together = run(logits, [plain, wants_top, sampled], "cuda")
-    for i in range(3):
+    logits = torch.randn(9, 129280, generator=g) * 4
+    wants_top = 1  # the one row that asks for top logprobs; the others are greedy or sampled without
+    rows = [RowSpec(SamplingParams(temperature=0.0, logprobs=3 if i == wants_top else 0), i, 10 + i)
+            for i in range(6)]
+    rows += [RowSpec(SamplingParams(temperature=0.9, seed=i, logprobs=0), i, 10 + i) for i in range(6, 9)]
+    alone = [run(logits[i:i + 1], [row], "cuda") for i, row in enumerate(rows)]
+    together = run(logits, rows, "cuda")
+    for i in range(len(rows)):  # several rows: a few-ulp difference cannot hide in all of them
         assert together.token_ids[i] == alone[i].token_ids[0]
         assert torch.equal(together.logprobs[i:i + 1], alone[i].logprobs), i
-    assert torch.equal(together.top_logprobs[1], alone[1].top_logprobs[0])
-    assert together.top_logprob_ids[1, 0] == together.token_ids[1]  # greedy: its token heads the list
-    assert together.top_logprobs[1, 0] == together.logprobs[1]
-    exact = torch.log_softmax(logits[1].double(), dim=-1).topk(3)
-    assert torch.equal(together.top_logprob_ids[1].cpu(), exact.indices)
-    assert torch.allclose(together.top_logprobs[1].cpu().double(), exact.values, rtol=0, atol=1e-5)
+    assert torch.equal(together.top_logprobs[wants_top], alone[wants_top].top_logprobs[0])
+    # greedy: its token heads the list, with the chosen token's logprob bit for bit
+    assert together.top_logprob_ids[wants_top, 0] == together.token_ids[wants_top]
+    assert together.top_logprobs[wants_top, 0] == together.logprobs[wants_top]
+    exact = torch.log_softmax(logits[wants_top].double(), dim=-1).topk(3)
+    assert torch.equal(together.top_logprob_ids[wants_top].cpu(), exact.indices)
+    assert torch.allclose(together.top_logprobs[wants_top].cpu().double(), exact.values, rtol=0, atol=1e-5)
