@@ -105,7 +105,7 @@ def block_size(width: int) -> tuple[int, int, bool]:
     """(entries per step, warps, whether the row is one tile held in registers) for rows of ``width``."""
     if width <= MAX_TILE:
         # 32 keys per thread from 4,096 entries on: the fastest of 4-32 warps for one row of 4,096,
-        # 8,192 and 16,384 entries on one H200 (7.7, 11.1 and 23.0 µs; 8.6, 17.7 and 32.4 at 32 warps)
+        # 8,192 and 16,384 entries on one H200 (7.7, 11.1 and 23.0 µs; 11.4, 17.7 and 32.8 at 32 warps)
         block = triton.next_power_of_2(max(width, 16))
         return block, max(4, block // 1024), True
     return MAX_BLOCK, 8, False
