@@ -40,8 +40,12 @@ def kernel(scores, k, k_max):
 
 
 # rows, width, k_max, levels: rows held in registers (up to MAX_TILE entries) and rows re-read in
-# steps of MAX_BLOCK (the last case)
-CASES = [(6, 40, 16, 3), (9, 300, 64, 40), (5, 5000, 512, 6), (3, 9000, 512, 3000), (2, 17000, 512, 3000)]
+# steps of MAX_BLOCK (the last two cases); widths that are not a multiple of 8 (300, 8190, 16380,
+# 17003) start most rows inside a 16-byte chunk, which the kernel's loads begin before; most widths
+# take a tail tile after a power of two (40 = 32 + 16, 300 = 256 + 64, 9,000 = 8,192 + 1,024); 140
+# rows are more than an H200's SMs (the launch caps the registers)
+CASES = [(6, 40, 16, 3), (9, 300, 64, 40), (5, 5000, 512, 6), (3, 9000, 512, 3000), (4, 8190, 512, 200),
+         (140, 72, 16, 5), (3, 16380, 512, 3000), (2, 17003, 512, 3000)]
 
 
 @pytest.mark.parametrize("rows,width,k_max,levels", CASES)
@@ -74,16 +78,20 @@ def test_strided_scores_and_empty_inputs():
     scores, k = random_scores(4, 100, 5, seed=2), random_k(4, 32, seed=2)
     wide = torch.cat([scores, scores], dim=1)[:, :100]
     assert torch.equal(kernel(wide, k, 32), twin(scores, k, 32))
+    inside_a_chunk = torch.cat([scores[:, :3], scores], dim=1)[:, 3:]  # the first row 6 bytes past a boundary
+    assert torch.equal(kernel(inside_a_chunk, k, 32), twin(scores, k, 32))
     assert kernel(scores[:0], k[:0], 32).shape == (0, 32)
     assert kernel(scores, k * 0, 0).shape == (4, 0)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("rows,width", [(1, 4096), (1, 8192), (64, 8192), (8192, 8192), (1, 16384), (4, 32768)])
+@pytest.mark.parametrize("rows,width", [(1, 4096), (1, 8192), (3, 8216), (64, 8192), (8192, 8192), (1, 16384),
+                                        (5, 16390), (4, 32768)])
 def test_equals_the_twin_on_cuda_at_real_sizes(rows, width):
-    """Decode rows over an 8K context's entries at ratios 2 and 1, an 8K prefill's rows at ratio 1,
-    a 16K context (the longest row held in registers), a 32K context (rows re-read)."""
+    """Decode rows over an 8K context's entries at ratios 2 and 1 (8,216: a bucket just above 8K), an
+    8K prefill's rows at ratio 1, a 16K context (the longest row held in registers; 16,390 entries
+    starting inside a 16-byte chunk are re-read), a 32K context (rows re-read)."""
     scores = random_scores(rows, width, 200, seed=rows).cuda()
     k = torch.randint(0, 513, (rows,), device="cuda")
     from model.kernels.triton_top_entries import top_entries
