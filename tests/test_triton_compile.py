@@ -218,11 +218,14 @@ def main() -> int:
           {"HC": 4, "BLOCK_T": triton_sinkhorn.BLOCK_T, "SLICES": 40, "COLS": triton_hc_coefficients.PARTIAL_COLS,
            "INTERPRETED": False},
           options={"num_warps": triton_sinkhorn.NUM_WARPS, "enable_fp_fusion": False}, wgmma=False)
-    for width in (300, 2075, 8192, 16384, 32768):  # rows held in registers up to 16384, re-read beyond
-        block, warps, one_tile = triton_top_entries.block_size(width)
+    # rows held in registers up to 16384 entries (2075 and 8216 with a tail tile), re-read beyond; the
+    # pointers 16-byte aligned as torch allocates them (the compiler then loads whole chunks)
+    for width in (300, 2075, 8192, 8216, 16384, 32768):
+        block, tail, warps, in_registers = triton_top_entries.block_size(width, shift_free=width % 8 == 0)
         check(f"top_entries width={width}", triton_top_entries._top_entries_kernel,
               {"scores_ptr": "*i16", "k_ptr": "*i64", "out_ptr": "*i64", **scalars("E K_MAX stride_s stride_o")},
-              {"BLOCK": block, "ONE_TILE": one_tile}, options={"num_warps": warps}, wgmma=False, spill_free=True)
+              {"BLOCK": block, "TAIL": tail, "IN_REGISTERS": in_registers, "K_BLOCK": 512},
+              options={"num_warps": warps}, wgmma=False, spill_free=True, aligned=("scores_ptr", "out_ptr"))
     check("hc mix partials", triton_hc_coefficients._mix_partials_kernel,
           {"x_ptr": "*bf16", "fn_ptr": "*fp32", "part_ptr": "*fp32", **scalars("T K stride_x stride_fn stride_pt")},
           {"MIXES": 24, "COLS": triton_hc_coefficients.PARTIAL_COLS, "BLOCK_T": triton_hc_coefficients.BLOCK_T,
