@@ -24,6 +24,13 @@ decode steps: meaningful for long prompts), next to the tensor-core limit of a p
 (``prefill_flops_per_token``: the weights' products plus the attention's, averaged over the
 prompt's positions, at the measured bf16 rate). With ``--profile-batch B`` a few steps at batch B are
 traced (torch.profiler) and the GPU's idle share between and within them is printed.
+
+``--max-model-len`` (default: the context plus the steps and a few tokens) is also the longest
+context the decode graphs are captured for (powers of two up to it), so it decides which bucket a
+step replays: with the default, an 8K context runs in an 8,216-token bucket. On one H200 one engine
+with a limit of 8,216 measured 2.660 ms at 1K context and 2.676 ms at 8K (batch 1). The default's
+1K engine (a limit of 1,048) measured 2.51 ms on another machine, so set it alike when comparing
+contexts (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -199,6 +206,9 @@ def main() -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="prefill chunk per step (default: max(2048, min(8 x context, 8192)); the torch "
                              "indexer of a prefill chunk holds chunk x context / ratio keys)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="the engine's limit, and the longest context its decode graphs are captured for "
+                             "(default: context + steps + 8)")
     parser.add_argument("--reference-max-batch", type=int, default=8,
                         help="largest batch run with the reference kernels (they are slow)")
     parser.add_argument("--reference-steps", type=int, default=2)
@@ -235,7 +245,7 @@ def main() -> int:
                   enforce_eager=eager, zos=zos,
                   max_num_seqs=max(runnable),
                   max_num_batched_tokens=args.max_num_batched_tokens or max(2048, min(args.context * 8, 8192)),
-                  max_model_len=args.context + steps + 8,
+                  max_model_len=args.max_model_len or args.context + steps + 8,
                   gpu_memory_utilization=0.85, dp_size=args.dp)
         load_s = time.perf_counter() - started
         held_gib = expected_gib = None
