@@ -11,6 +11,9 @@ kernel backend and batch size: ``batch`` (per rank) token-id prompts of
 steps are timed together (host clock between two device synchronisations; the engine keeps one
 step queued ahead, as when serving) and their mean is the step time, so prefill and warm-up stay
 outside it; every batch is run once before, untimed (compilation, allocator, first graph launches).
+The time the host spends waiting for the steps' results is printed next to the step time
+(``timed_collects``): a step the host waits for is bound by the device, one it does not wait for by
+the host's own work.
 
 The limit of a step is what the device must at least do: read every weight the step touches once
 (the dense weights, the head and the expected number of distinct routed experts hit by
@@ -115,8 +118,41 @@ def prefill_flops_per_token(cfg: V41Config, context: int) -> float:
     return step_cost(cfg, 1, context)[1] - head + attention
 
 
-def decode_step_times(llm: LLM, prompts: list[list[int]], steps: int, around_steps=None) -> tuple[float, float]:
-    """(prefill seconds, seconds per decode step over ``steps`` steady-state steps).
+@contextlib.contextmanager
+def timed_collects(engine):
+    """Seconds the host spends in the in-process runner's ``collect`` (the wait for a step's results,
+    then their conversion): a list whose one element grows while the context is open. The rest of a
+    step's time is the host's own work; a step that waits is bound by the device. Nothing is timed
+    with ``--dp N`` (the ranks run in processes of their own)."""
+    waited = [0.0]
+    runner = getattr(engine.executor, "runner", None)
+    if runner is None:
+        yield waited
+        return
+    collect = runner.collect
+
+    def timed(pending):
+        start = time.perf_counter()
+        try:
+            return collect(pending)
+        finally:
+            waited[0] += time.perf_counter() - start
+
+    runner.collect = timed
+    try:
+        yield waited
+    finally:
+        del runner.collect  # the class's method again
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def decode_step_times(llm: LLM, prompts: list[list[int]], steps: int, around_steps=None) -> tuple[float, float, float]:
+    """(prefill seconds, seconds per decode step over ``steps`` steady-state steps, seconds per step
+    the host waited for results: ``timed_collects``).
 
     The steps are timed together, between two device synchronisations: as when serving, the engine
     launches step N+1 before it waits for step N, so the host's work for a step overlaps the
@@ -128,25 +164,25 @@ def decode_step_times(llm: LLM, prompts: list[list[int]], steps: int, around_ste
     params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
     ids = [f"bench-{next(llm._ids)}" for _ in prompts]
     produced = dict.fromkeys(ids, 0)
-    torch.cuda.synchronize()
+    synchronize()
     start = time.perf_counter()
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(AddRequest(request_id, prompt, params))
     while min(produced.values()) < 2:  # every prompt prefilled and decoding
         for out in engine.step():
             produced[out.request_id] += len(out.new_token_ids)
-    torch.cuda.synchronize()
+    synchronize()
     prefill = time.perf_counter() - start
-    with around_steps if around_steps is not None else contextlib.nullcontext():
+    with around_steps if around_steps is not None else contextlib.nullcontext(), timed_collects(engine) as waited:
         start = time.perf_counter()
         for _ in range(steps):  # each call launches one step and collects the one before
             for out in engine.step():
                 produced[out.request_id] += len(out.new_token_ids)
-        torch.cuda.synchronize()
+        synchronize()
         elapsed = time.perf_counter() - start
     while engine.has_work:
         engine.step()
-    return prefill, elapsed / steps
+    return prefill, elapsed / steps, waited[0] / steps
 
 
 def profile_steps(llm: LLM, prompts: list[list[int]], out_path: str) -> None:
@@ -265,7 +301,7 @@ def main() -> int:
             prompts = [[(s * 7919 + t * 104729) % (cfg.vocab_size - 10) + 5 for t in range(args.context)]
                        for s in range(batch * args.dp)]
             decode_step_times(llm, prompts, 2)  # warm-up: compilation, allocator, the batch's graphs
-            prefill, step = decode_step_times(llm, prompts, steps)
+            prefill, step, waited = decode_step_times(llm, prompts, steps)
             nbytes, flops = step_cost(cfg, batch, args.context, args.dp)
             limit = max(nbytes / bandwidth, flops / peak)
             prefill_rate = batch * args.dp * args.context / prefill
@@ -274,15 +310,16 @@ def main() -> int:
                        prefill_tokens_per_s=prefill_rate, prefill_limit_tokens_per_s=prefill_limit,
                        tokens_per_s=batch * args.dp / step, tokens_per_s_per_gpu=batch / step, limit_ms=limit * 1e3, pct_of_limit=100 * limit / step,
                        bytes_per_step_gb=nbytes / 1e9, prefill_s=prefill, weights_gib=held_gib,
-                       checkpoint_gib=expected_gib)
+                       checkpoint_gib=expected_gib, host_wait_ms=waited * 1e3)
             rows.append(row)
             if batch == args.profile_batch and variant == args.kernels.split(",")[0] and args.dp == 1:
                 profile_steps(llm, prompts, args.profile_out)
             print(f"{variant:10s} batch {batch:4d} x {args.dp}: step {step * 1e3:8.2f} ms, "
                   f"{batch * args.dp / step:8.1f} tok/s ({batch / step:.1f} per GPU), "
                   f"limit {limit * 1e3:6.3f} ms ({100 * limit / step:5.1f}% of it), "
-                  f"{nbytes / 1e9:.2f} GB/step; prefill {prefill_rate:.0f} tok/s ({100 * prefill_rate / prefill_limit:.1f}% "
-                  f"of the tensor-core limit {prefill_limit:.0f}; includes the first decode steps)", flush=True)
+                  f"{nbytes / 1e9:.2f} GB/step, host waited {waited * 1e3:.2f} ms/step for results; prefill "
+                  f"{prefill_rate:.0f} tok/s ({100 * prefill_rate / prefill_limit:.1f}% of the tensor-core limit "
+                  f"{prefill_limit:.0f}; includes the first decode steps)", flush=True)
         del llm
         gc.collect()
         torch.cuda.empty_cache()

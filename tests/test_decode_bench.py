@@ -40,3 +40,19 @@ def test_prefill_flops_per_token_adds_the_attention_of_each_position(tmp_path):
                 if role.runs_indexer:
                     expected += 2 * cfg.index_num_heads * cfg.index_head_dim * (position // role.compress_ratio) / context
     assert abs(prefill_flops_per_token(cfg, context) - expected) <= 1e-9 * expected
+
+
+def test_decode_step_times_reports_how_long_the_host_waited_for_results():
+    """The engine on the CPU (the default model): the wait is part of each step's time, and the
+    runner's own ``collect`` is back in place afterwards."""
+    from benchmarks.decode import decode_step_times
+    from frontend.llm import LLM
+
+    llm = LLM(None, device="cpu", max_num_seqs=2, max_model_len=64)
+    try:
+        runner = llm.engine.executor.runner
+        prefill, step, waited = decode_step_times(llm, [[5, 6, 7, 8], [9, 10, 11]], 4)
+        assert "collect" not in vars(runner)
+    finally:
+        llm.close()
+    assert prefill > 0 and 0 < waited <= step
