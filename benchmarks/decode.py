@@ -122,13 +122,13 @@ def prefill_flops_per_token(cfg: V41Config, context: int) -> float:
 def timed_collects(engine):
     """Seconds the host spends in the in-process runner's ``collect`` (the wait for a step's results,
     then their conversion): a list whose one element grows while the context is open. The rest of a
-    step's time is the host's own work; a step that waits is bound by the device. Nothing is timed
-    with ``--dp N`` (the ranks run in processes of their own)."""
-    waited = [0.0]
+    step's time is the host's own work; a step that waits is bound by the device. With ``--dp N``
+    (the ranks run in processes of their own) nothing is timed: the element stays None."""
     runner = getattr(engine.executor, "runner", None)
     if runner is None:
-        yield waited
+        yield [None]
         return
+    waited = [0.0]
     collect = runner.collect
 
     def timed(pending):
@@ -150,9 +150,10 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def decode_step_times(llm: LLM, prompts: list[list[int]], steps: int, around_steps=None) -> tuple[float, float, float]:
+def decode_step_times(llm: LLM, prompts: list[list[int]], steps: int,
+                      around_steps=None) -> tuple[float, float, float | None]:
     """(prefill seconds, seconds per decode step over ``steps`` steady-state steps, seconds per step
-    the host waited for results: ``timed_collects``).
+    the host waited for results: ``timed_collects``, None with ``--dp N``).
 
     The steps are timed together, between two device synchronisations: as when serving, the engine
     launches step N+1 before it waits for step N, so the host's work for a step overlaps the
@@ -182,7 +183,7 @@ def decode_step_times(llm: LLM, prompts: list[list[int]], steps: int, around_ste
         elapsed = time.perf_counter() - start
     while engine.has_work:
         engine.step()
-    return prefill, elapsed / steps, waited[0] / steps
+    return prefill, elapsed / steps, None if waited[0] is None else waited[0] / steps
 
 
 def profile_steps(llm: LLM, prompts: list[list[int]], out_path: str) -> None:
@@ -310,14 +311,15 @@ def main() -> int:
                        prefill_tokens_per_s=prefill_rate, prefill_limit_tokens_per_s=prefill_limit,
                        tokens_per_s=batch * args.dp / step, tokens_per_s_per_gpu=batch / step, limit_ms=limit * 1e3, pct_of_limit=100 * limit / step,
                        bytes_per_step_gb=nbytes / 1e9, prefill_s=prefill, weights_gib=held_gib,
-                       checkpoint_gib=expected_gib, host_wait_ms=waited * 1e3)
+                       checkpoint_gib=expected_gib, host_wait_ms=None if waited is None else waited * 1e3)
             rows.append(row)
             if batch == args.profile_batch and variant == args.kernels.split(",")[0] and args.dp == 1:
                 profile_steps(llm, prompts, args.profile_out)
+            wait = "not timed with --dp" if waited is None else f"{waited * 1e3:.2f} ms/step"
             print(f"{variant:10s} batch {batch:4d} x {args.dp}: step {step * 1e3:8.2f} ms, "
                   f"{batch * args.dp / step:8.1f} tok/s ({batch / step:.1f} per GPU), "
                   f"limit {limit * 1e3:6.3f} ms ({100 * limit / step:5.1f}% of it), "
-                  f"{nbytes / 1e9:.2f} GB/step, host waited {waited * 1e3:.2f} ms/step for results; prefill "
+                  f"{nbytes / 1e9:.2f} GB/step, host waited for results {wait}; prefill "
                   f"{prefill_rate:.0f} tok/s ({100 * prefill_rate / prefill_limit:.1f}% of the tensor-core limit "
                   f"{prefill_limit:.0f}; includes the first decode steps)", flush=True)
         del llm

@@ -56,3 +56,12 @@ def test_decode_step_times_reports_how_long_the_host_waited_for_results():
     finally:
         llm.close()
     assert prefill > 0 and 0 < waited <= step
+
+
+def test_nothing_is_timed_without_an_in_process_runner():
+    """With ``--dp N`` the ranks run in processes of their own: the wait is reported as unknown."""
+    from benchmarks.decode import timed_collects
+
+    with timed_collects(SimpleNamespace(executor=SimpleNamespace())) as waited:
+        pass
+    assert waited == [None]
