@@ -168,7 +168,8 @@ class ModelRunner:
             logits, sample_index, prompt_rows = self._eager_logits(seqs)
         sampled = top_ids = top_lp = chosen_lp = None
         constrained = False
-        last = torch.full((len(seqs),), -1, dtype=torch.long, device=self.device)
+        every_row = sample_index == list(range(len(seqs)))  # a decode step: no fill and no scatter below
+        last = None if every_row else torch.full((len(seqs),), -1, dtype=torch.long, device=self.device)
         if sample_index:
             sample_logits = logits[: len(sample_index)]
             constrained = self._apply_grammars(sample_logits, seqs, sample_index)
@@ -176,7 +177,10 @@ class ModelRunner:
                             self._sampling_batch(seqs, sample_index))
             sampled, chosen_lp, top_ids, top_lp = (output.token_ids, output.logprobs, output.top_logprob_ids,
                                                    output.top_logprobs)
-            last[upload(sample_index, torch.long, self.device)] = sampled
+            if every_row:
+                last = sampled
+            else:
+                last[upload(sample_index, torch.long, self.device)] = sampled
         self.last_sampled = last
         prompt = {}
         offset = len(sample_index)

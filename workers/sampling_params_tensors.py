@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from workers import sampling_noise
-from model.device_upload import upload
+from model.device_upload import upload, upload_many
 
 # SamplingParams travels in step plans, so it lives with the other wire types.
 from engine_core.protocol import SamplingParams  # noqa: E402
@@ -71,9 +71,6 @@ class SamplingBatch:
         R, V = len(rows), vocab_size
         params = [r.params for r in rows]
 
-        def f32(values: list[float]) -> torch.Tensor:
-            return upload(values, torch.float32, device)
-
         greedy = [p.is_greedy for p in params]
         sample_rows = torch.tensor([i for i, g in enumerate(greedy) if not g], dtype=torch.int64)
         temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
@@ -103,23 +100,33 @@ class SamplingBatch:
             output_counts = _output_counts(rows, V, device)
 
         bias_rows, bias_tokens, bias_values = _logit_bias(params, V, device)
+        # every per-row parameter in one copy (``upload_many``): a decode step pays one, not six to nine
+        penalties = [([p.repetition_penalty for p in params], torch.float32)] if use_rep else []
+        if use_counts:
+            penalties += [([p.frequency_penalty for p in params], torch.float32),
+                          ([p.presence_penalty for p in params], torch.float32)]
+        sample_rows, temperature, top_k, top_p, min_p, keys, *penalties = upload_many([
+            (sample_rows, torch.int64), (temperature, torch.float32), (top_k, torch.int64), (top_p, torch.float64),
+            (min_p, torch.float32), (keys, torch.int64), *penalties], device)
+        repetition_penalty = penalties.pop(0) if use_rep else None
+        frequency_penalty, presence_penalty = penalties if use_counts else (None, None)
         return SamplingBatch(
             num_rows=R,
             vocab_size=V,
             device=device,
-            sample_rows=upload(sample_rows, torch.int64, device),
-            temperature=f32(temperature),
-            top_k=upload(top_k, torch.int64, device),
-            top_p=upload(top_p, torch.float64, device),
-            min_p=f32(min_p),
+            sample_rows=sample_rows,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
             use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in sampled),
             use_min_p=any(p.min_p > 0.0 for p in sampled),
-            keys=upload(keys, torch.int64, device),
+            keys=keys,
             mixed_tokens=sampling_noise.token_mix(V, device),
-            repetition_penalty=f32([p.repetition_penalty for p in params]) if use_rep else None,
+            repetition_penalty=repetition_penalty,
             seen_mask=seen_mask,
-            frequency_penalty=f32([p.frequency_penalty for p in params]) if use_counts else None,
-            presence_penalty=f32([p.presence_penalty for p in params]) if use_counts else None,
+            frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty,
             output_counts=output_counts,
             bias_rows=bias_rows,
             bias_tokens=bias_tokens,
