@@ -13,7 +13,9 @@ step queued ahead, as when serving) and their mean is the step time, so prefill 
 outside it; every batch is run once before, untimed (compilation, allocator, first graph launches).
 The time the host spends waiting for the steps' results is printed next to the step time
 (``timed_collects``): a step the host waits for is bound by the device, one it does not wait for by
-the host's own work.
+the host's own work. With CUDA graphs, the median device time of one graph replay (the forward and
+the head; ``ReplayTimer``) is printed too: the step time less that is the sampler, the copies and any
+time the device waited.
 
 The limit of a step is what the device must at least do: read every weight the step touches once
 (the dense weights, the head and the expected number of distinct routed experts hit by
@@ -30,10 +32,11 @@ traced (torch.profiler) and the GPU's idle share between and within them is prin
 
 ``--max-model-len`` (default: the context plus the steps and a few tokens) is also the longest
 context the decode graphs are captured for (powers of two up to it), so it decides which bucket a
-step replays: with the default, an 8K context runs in an 8,216-token bucket. On one H200 one engine
-with a limit of 8,216 measured 2.660 ms at 1K context and 2.676 ms at 8K (batch 1). The default's
-1K engine (a limit of 1,048) measured 2.51 ms on another machine, so set it alike when comparing
-contexts (``docs/benchmarks.md``).
+step replays: with the default, an 8K context runs in an 8,216-token bucket. It also decides how many
+graphs are captured, which matters on its own: on one H200 every replay was ~6% slower (2.60 against
+2.45 ms for the same 1-row graph at batch 1) in an engine that had captured four graphs or more, and
+``--batch 1`` with the default 1K limit captures two. Compare runs with the same limit and batch list
+(``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -143,6 +146,44 @@ def timed_collects(engine):
         yield waited
     finally:
         del runner.collect  # the class's method again
+
+
+class ReplayTimer:
+    """Device time of each decode-graph replay while open: CUDA events recorded around
+    ``DecodeGraphs.replay``, so the forward and the head of a step alone, without the sampler, the
+    result copies or the host's part. Against the step time it tells whether a slower step spends
+    its time inside the graph or around it. Nothing is timed without graphs (CPU, ``--enforce-eager``)
+    or with ``--dp N`` (the ranks run in processes of their own)."""
+
+    def __init__(self, engine):
+        runner = getattr(engine.executor, "runner", None)
+        self.graphs = getattr(runner, "graphs", None)
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def __enter__(self) -> "ReplayTimer":
+        if self.graphs is not None:
+            replay = type(self.graphs).replay
+
+            def timed(bucket, num_rows):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                try:
+                    return replay(self.graphs, bucket, num_rows)
+                finally:
+                    end.record()
+                    self.events.append((start, end))
+
+            self.graphs.replay = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.graphs is not None:
+            del self.graphs.replay  # the class's method again
+
+    def median_us(self) -> float | None:
+        """Median microseconds of the replays timed (read after a device synchronisation), or None."""
+        times = sorted(start.elapsed_time(end) * 1e3 for start, end in self.events)
+        return times[len(times) // 2] if times else None
 
 
 def synchronize() -> None:
@@ -302,7 +343,9 @@ def main() -> int:
             prompts = [[(s * 7919 + t * 104729) % (cfg.vocab_size - 10) + 5 for t in range(args.context)]
                        for s in range(batch * args.dp)]
             decode_step_times(llm, prompts, 2)  # warm-up: compilation, allocator, the batch's graphs
-            prefill, step, waited = decode_step_times(llm, prompts, steps)
+            replays = ReplayTimer(llm.engine)
+            prefill, step, waited = decode_step_times(llm, prompts, steps, around_steps=replays)
+            graph_us = replays.median_us()
             nbytes, flops = step_cost(cfg, batch, args.context, args.dp)
             limit = max(nbytes / bandwidth, flops / peak)
             prefill_rate = batch * args.dp * args.context / prefill
@@ -311,15 +354,16 @@ def main() -> int:
                        prefill_tokens_per_s=prefill_rate, prefill_limit_tokens_per_s=prefill_limit,
                        tokens_per_s=batch * args.dp / step, tokens_per_s_per_gpu=batch / step, limit_ms=limit * 1e3, pct_of_limit=100 * limit / step,
                        bytes_per_step_gb=nbytes / 1e9, prefill_s=prefill, weights_gib=held_gib,
-                       checkpoint_gib=expected_gib, host_wait_ms=None if waited is None else waited * 1e3)
+                       checkpoint_gib=expected_gib, host_wait_ms=None if waited is None else waited * 1e3, graph_replay_us=graph_us)
             rows.append(row)
             if batch == args.profile_batch and variant == args.kernels.split(",")[0] and args.dp == 1:
                 profile_steps(llm, prompts, args.profile_out)
             wait = "not timed with --dp" if waited is None else f"{waited * 1e3:.2f} ms/step"
+            graph = "" if graph_us is None else f", graph replay {graph_us:.1f} us (median)"
             print(f"{variant:10s} batch {batch:4d} x {args.dp}: step {step * 1e3:8.2f} ms, "
                   f"{batch * args.dp / step:8.1f} tok/s ({batch / step:.1f} per GPU), "
                   f"limit {limit * 1e3:6.3f} ms ({100 * limit / step:5.1f}% of it), "
-                  f"{nbytes / 1e9:.2f} GB/step, host waited for results {wait}; prefill "
+                  f"{nbytes / 1e9:.2f} GB/step, host waited for results {wait}{graph}; prefill "
                   f"{prefill_rate:.0f} tok/s ({100 * prefill_rate / prefill_limit:.1f}% of the tensor-core limit "
                   f"{prefill_limit:.0f}; includes the first decode steps)", flush=True)
         del llm

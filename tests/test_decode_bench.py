@@ -65,3 +65,21 @@ def test_nothing_is_timed_without_an_in_process_runner():
     with timed_collects(SimpleNamespace(executor=SimpleNamespace())) as waited:
         pass
     assert waited == [None]
+
+
+def test_replays_are_timed_only_where_graphs_replay():
+    """On the CPU (no graphs) and with ``--dp N`` (no in-process runner) the replay timer times nothing
+    and leaves the engine as it was."""
+    from benchmarks.decode import ReplayTimer, decode_step_times
+    from frontend.llm import LLM
+
+    with ReplayTimer(SimpleNamespace(executor=SimpleNamespace())) as replays:
+        pass
+    assert replays.median_us() is None
+    llm = LLM(None, device="cpu", max_num_seqs=1, max_model_len=64)
+    try:
+        replays = ReplayTimer(llm.engine)
+        decode_step_times(llm, [[5, 6, 7]], 2, around_steps=replays)
+        assert replays.graphs is None and replays.median_us() is None
+    finally:
+        llm.close()

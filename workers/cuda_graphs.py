@@ -29,6 +29,11 @@ every address, so a decode step becomes a *padded decode* batch (``ForwardBatch.
   concurrently, so their intermediate tensors can share memory; the pool's size is measured at
   capture and was reserved before the cache was sized (``activation_bytes``).
 
+How many graphs an engine captures has a cost beyond capture time and memory: on one H200 (torch
+2.11, CUDA 13) every replay ran ~6% slower, each kernel starting ~0.3 µs later after the one before,
+once four graphs or more had been captured, even after the others were destroyed. Why is open
+(``docs/benchmarks.md``, "Four captured graphs or more").
+
 Eager and graph runs of the same padded batch are the same kernels on the same inputs: their
 results are bitwise equal (``tests/test_gpu.py``). The padded batch itself differs from the
 general forward only in rounding: its attention sums run over every listed column
