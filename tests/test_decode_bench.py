@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+import torch
 from torch.autograd import DeviceType
 
 from benchmarks.decode import device_busy
@@ -81,5 +83,24 @@ def test_replays_are_timed_only_where_graphs_replay():
         replays = ReplayTimer(llm.engine)
         decode_step_times(llm, [[5, 6, 7]], 2, around_steps=replays)
         assert replays.graphs is None and replays.median_us() is None
+    finally:
+        llm.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_every_timed_decode_step_replays_a_graph_and_is_timed(tiny_checkpoint):
+    """With graphs each timed decode step replays one, and its device time is positive and shorter
+    than the whole step's; the graphs' own ``replay`` is back in place afterwards."""
+    from benchmarks.decode import ReplayTimer, decode_step_times
+    from frontend.llm import LLM
+
+    llm = LLM(str(tiny_checkpoint), device="cuda", max_num_seqs=2, max_model_len=256)
+    try:
+        replays = ReplayTimer(llm.engine)
+        _, step, _ = decode_step_times(llm, [[5, 6, 7, 8], [9, 10, 11]], 6, around_steps=replays)
+        assert "replay" not in vars(replays.graphs)
+        assert 5 <= len(replays.events) <= 7  # one per launched step: the engine runs one step ahead
+        assert 0 < replays.median_us() < step * 1e6
     finally:
         llm.close()

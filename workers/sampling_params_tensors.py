@@ -101,32 +101,31 @@ class SamplingBatch:
 
         bias_rows, bias_tokens, bias_values = _logit_bias(params, V, device)
         # every per-row parameter in one copy (``upload_many``): a decode step pays one, not six to nine
-        penalties = [([p.repetition_penalty for p in params], torch.float32)] if use_rep else []
-        if use_counts:
-            penalties += [([p.frequency_penalty for p in params], torch.float32),
-                          ([p.presence_penalty for p in params], torch.float32)]
-        sample_rows, temperature, top_k, top_p, min_p, keys, *penalties = upload_many([
-            (sample_rows, torch.int64), (temperature, torch.float32), (top_k, torch.int64), (top_p, torch.float64),
-            (min_p, torch.float32), (keys, torch.int64), *penalties], device)
-        repetition_penalty = penalties.pop(0) if use_rep else None
-        frequency_penalty, presence_penalty = penalties if use_counts else (None, None)
+        per_row = {"sample_rows": (sample_rows, torch.int64), "temperature": (temperature, torch.float32),
+                   "top_k": (top_k, torch.int64), "top_p": (top_p, torch.float64),
+                   "min_p": (min_p, torch.float32), "keys": (keys, torch.int64)}
+        for name, used in (("repetition_penalty", use_rep), ("frequency_penalty", use_counts),
+                           ("presence_penalty", use_counts)):
+            if used:
+                per_row[name] = ([getattr(p, name) for p in params], torch.float32)
+        on_device = dict(zip(per_row, upload_many(list(per_row.values()), device)))
         return SamplingBatch(
             num_rows=R,
             vocab_size=V,
             device=device,
-            sample_rows=sample_rows,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
+            sample_rows=on_device["sample_rows"],
+            temperature=on_device["temperature"],
+            top_k=on_device["top_k"],
+            top_p=on_device["top_p"],
+            min_p=on_device["min_p"],
             use_top_k_top_p=any(p.top_k > 0 or p.top_p < 1.0 for p in sampled),
             use_min_p=any(p.min_p > 0.0 for p in sampled),
-            keys=keys,
+            keys=on_device["keys"],
             mixed_tokens=sampling_noise.token_mix(V, device),
-            repetition_penalty=repetition_penalty,
+            repetition_penalty=on_device.get("repetition_penalty"),
             seen_mask=seen_mask,
-            frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty,
+            frequency_penalty=on_device.get("frequency_penalty"),
+            presence_penalty=on_device.get("presence_penalty"),
             output_counts=output_counts,
             bias_rows=bias_rows,
             bias_tokens=bias_tokens,
