@@ -10,7 +10,8 @@ kernel backend and batch size: ``batch`` (per rank) token-id prompts of
 ``--context`` tokens, greedy, ``ignore_eos``. Once every sequence is decoding, ``--steps`` engine
 steps are timed together (host clock between two device synchronisations; the engine keeps one
 step queued ahead, as when serving) and their mean is the step time, so prefill and warm-up stay
-outside it; every batch is run once before, untimed (compilation, allocator, first graph launches).
+outside it; every batch is run once before, untimed and as long (compilation, allocator, first graph
+launches).
 The time the host spends waiting for the steps' results is printed next to the step time
 (``timed_collects``): a step the host waits for is bound by the device, one it does not wait for by
 the host's own work. With CUDA graphs, the median device time of one graph replay (the forward and
@@ -32,11 +33,10 @@ traced (torch.profiler) and the GPU's idle share between and within them is prin
 
 ``--max-model-len`` (default: the context plus the steps and a few tokens) is also the longest
 context the decode graphs are captured for (powers of two up to it), so it decides which bucket a
-step replays: with the default, an 8K context runs in an 8,216-token bucket. It also decides how many
-graphs are captured, which matters on its own: on one H200 every replay was ~6% slower (2.60 against
-2.45 ms for the same 1-row graph at batch 1) in an engine that had captured four graphs or more, and
-``--batch 1`` with the default 1K limit captures two. Compare runs with the same limit and batch list
-(``docs/benchmarks.md``).
+step replays: with the default, an 8K context runs in an 8,216-token bucket.
+
+The whole benchmark runs on one CUDA stream, which the in-process engine adopts: a process that has
+run kernels on a second stream replays every graph slower (``workers/worker_stream.py``).
 """
 
 from __future__ import annotations
@@ -301,6 +301,9 @@ def main() -> int:
 
         args.model = str(make_checkpoint(Path(tempfile.mkdtemp()) / args.preset, preset=args.preset, config_only=True))
     cfg = V41Config.from_pretrained(Path(args.model))
+    # all of this process's device work on one stream, which the in-process engine adopts: a kernel run
+    # on a second stream slows every graph replay after it (workers/worker_stream.py)
+    torch.cuda.set_stream(torch.cuda.Stream())
     ceilings = measure_ceilings(torch.device(device), Timer(torch.device(device)), tiny=False, budget=0.5)
     bandwidth, peak = ceilings.bandwidth, ceilings.bf16_flops
     gpu = torch.cuda.get_device_name()
@@ -342,7 +345,9 @@ def main() -> int:
         for batch in runnable:
             prompts = [[(s * 7919 + t * 104729) % (cfg.vocab_size - 10) + 5 for t in range(args.context)]
                        for s in range(batch * args.dp)]
-            decode_step_times(llm, prompts, 2)  # warm-up: compilation, allocator, the batch's graphs
+            # warm-up: compilation, allocator, the batch's graphs; as many steps as are timed, so that the
+            # timed steps meet no position (and no kernel specialisation) the warm-up did not
+            decode_step_times(llm, prompts, steps)
             replays = ReplayTimer(llm.engine)
             prefill, step, waited = decode_step_times(llm, prompts, steps, around_steps=replays)
             graph_us = replays.median_us()

@@ -113,6 +113,16 @@ GAINS: dict[str, float] = {}
 DECODE_FORM_MAX_M = 0
 
 
+def capture_on_this_stream(fn) -> tuple[torch.cuda.CUDAGraph, object]:
+    """A CUDA graph of ``fn()`` captured on the current stream, and what the capture returned. The
+    whole benchmark runs on one stream (``main``), as the engine does: a process that captures on a
+    side stream replays every graph slower (``workers/worker_stream.py``)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=torch.cuda.current_stream()):
+        result = fn()
+    return graph, result
+
+
 def _import_kernels() -> None:
     global triton, tile_configs, QuantizedWeight, ExpertWeights, WeightFormat, TileConfig
     global ReferenceKernels, TritonKernels, GAINS, DECODE_FORM_MAX_M
@@ -351,15 +361,8 @@ class Bench:
             return [fn(x, w) for fn, x, w in calls]
 
         eager = run_all()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                run_all()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = run_all()
+        run_all()
+        graph, captured = capture_on_this_stream(run_all)
         graph.replay()
         torch.cuda.synchronize()
         for (out, ref), spec in zip(zip(captured, eager), self.specs * instances):
@@ -388,17 +391,12 @@ class Bench:
         no head start hides; in the engine, decode steps replay graphs too (or will)."""
         if not (decode and self.device.type == "cuda"):
             return self.timer.measure(call, *budget)
-        call(0)  # compile outside the capture
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        def calls():
             for i in range(GRAPH_CALLS):
                 call(i)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(GRAPH_CALLS):
-                call(i)
+
+        calls()  # compile and allocate outside the capture
+        graph, _ = capture_on_this_stream(calls)
         t = self.timer.measure(lambda i: graph.replay(), *budget)
         del graph
         return replace(t, median_s=t.median_s / GRAPH_CALLS, min_s=t.min_s / GRAPH_CALLS)
@@ -474,6 +472,7 @@ def main(argv=None) -> int:
     _import_kernels()
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        torch.cuda.set_stream(torch.cuda.Stream(device))  # one stream for everything, graphs included
     shapes = TINY if args.tiny else FLASH
     shapes_name = "tiny" if args.tiny else "DeepSeek-V4.1-Flash"
     log(f"{shapes_name} shapes on {device}; M = {args.ms}")

@@ -21,6 +21,10 @@ sampling_params.py); ``chat`` renders conversations with the server's chat-templ
 (chat_prompt.py). Without sampling parameters, ``generate`` and ``chat`` use the model's
 ``generation_config.json`` defaults (``get_default_sampling_params``), as vLLM does. The engine's
 own ``engine_core.protocol.SamplingParams`` are accepted too (one choice, no stop strings).
+
+On CUDA with one rank the worker runs on one stream of its own, made current in the thread that makes
+the ``LLM`` (or adopts that thread's current stream if it is not the default one): a process that also
+runs kernels on another stream replays the decode graphs slower (workers/worker_stream.py).
 """
 
 from __future__ import annotations

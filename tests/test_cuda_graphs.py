@@ -82,6 +82,32 @@ def test_graphs_give_the_tokens_of_eager_mode(tiny_checkpoint):
     assert with_graphs == _tokens(eager)
 
 
+def test_steps_and_captures_run_on_the_worker_stream_in_any_thread(tiny_checkpoint):
+    """The runner's kernels, graph captures and replays share one stream (``workers/worker_stream.py``):
+    the one current once the engine is built, also in a thread other than the one that built it,
+    which gets the same tokens."""
+    import threading
+
+    from frontend.llm import LLM
+
+    llm = LLM(str(tiny_checkpoint), device="cuda", batch_invariant=True, max_num_batched_tokens=256, block_size=16)
+    runner = llm.engine.executor.runner
+    stream = runner.stream.stream
+    assert stream != torch.cuda.default_stream() and torch.cuda.current_stream() == stream
+    assert runner.graphs._capture_stream == stream
+    here = _tokens(llm)
+    seen = {}
+
+    def elsewhere():
+        seen["tokens"] = _tokens(llm)
+        seen["stream"] = torch.cuda.current_stream()
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join()
+    assert seen["stream"] == stream and seen["tokens"] == here
+
+
 @contextmanager
 def _sync_is_an_error_inside_steps(runner):
     """Run every step of ``runner`` under ``torch.cuda.set_sync_debug_mode("error")``: any host

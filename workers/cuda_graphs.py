@@ -29,10 +29,9 @@ every address, so a decode step becomes a *padded decode* batch (``ForwardBatch.
   concurrently, so their intermediate tensors can share memory; the pool's size is measured at
   capture and was reserved before the cache was sized (``activation_bytes``).
 
-How many graphs an engine captures has a cost beyond capture time and memory: on one H200 (torch
-2.11, CUDA 13) every replay ran ~6% slower, each kernel starting ~0.3 µs later after the one before,
-once four graphs or more had been captured, even after the others were destroyed. Why is open
-(``docs/benchmarks.md``, "Four captured graphs or more").
+* **One stream**: graphs are captured on the stream their steps run on, the worker's own
+  (``workers/worker_stream.py``), not on a side stream: on one H200 a process that captured four
+  graphs on a side stream replayed every graph ~6% slower (~0.18 µs more per kernel).
 
 Eager and graph runs of the same padded batch are the same kernels on the same inputs: their
 results are bitwise equal (``tests/test_gpu.py``). The padded batch itself differs from the
@@ -214,6 +213,9 @@ class DecodeGraphs:
         """Capture every bucket, largest first so that smaller ones reuse its memory."""
         started, before = time.perf_counter(), torch.cuda.memory_reserved()
         self.pool = self.pool or torch.cuda.graph_pool_handle()
+        # the stream the steps run on; the default stream cannot capture, so then torch's side stream
+        current = torch.cuda.current_stream()
+        self._capture_stream = None if current == torch.cuda.default_stream() else current
         for bucket in sorted(self.plan.buckets, key=lambda b: (b[0] * b[1], b[0]), reverse=True):
             self._capture(bucket)
         torch.cuda.synchronize()
@@ -227,7 +229,7 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         # thread_local: the communicator's watchdog thread may query its events meanwhile
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self._capture_stream, capture_error_mode="thread_local"):
             self.run_eager(bucket)
         self.graphs[bucket] = graph
 

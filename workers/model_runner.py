@@ -35,6 +35,7 @@ from .memory import limit_native_caches
 from .rank_summary import log_rank_summary
 from .sampler import RowSpec, SamplingBatch, prompt_logprobs, sample
 from .structured_output import StructuredState, apply_bitmask
+from .worker_stream import WorkerStream
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             torch.set_num_threads(config.cpu_threads)
             limit_native_caches()  # before the first forward: oneDNN reads its cache sizes once
+        self.stream = WorkerStream(self.device)  # before the first kernel (workers/worker_stream.py)
         options = ModelOptions(batch_invariant=config.resolved_batch_invariant,
                                official_index_handoff=config.official_index_handoff, kernels=config.resolved_kernels)
         expert_range = expert_parallel.expert_shard() if expert_parallel is not None else None
@@ -146,6 +148,7 @@ class ModelRunner:
         """``released``: constrained sequences that finished (their matchers are dropped).
         ``shape``: under expert parallelism, the shape of the whole step (every rank's part), from
         which all ranks decide alike whether to replay a graph; None: this rank's part alone."""
+        self.stream.enter()
         if released:
             self.structured.release(released)
         if self.expert_balance is not None:
