@@ -9,6 +9,7 @@
 * ``cache_snapshot``: the live per-sequence state in a ``V41Cache`` (window rings, compressed KV,
   index keys, compressor tails, Engram history), keyed by logical position/entry, so two caches
   with different block sizes, block ids and slots can be compared.
+* ``golden_platform``: skips a test that asserts the golden set's exact bits on another platform.
 * ``parity_process``: the one parity run of the session (``model.parity.main --golden DIR --dump
   FILE``, ~30-40 s single-threaded). When a selected test needs it, it is started in a child
   process right after collection, so it runs on the second core while the other tests run; the
@@ -30,6 +31,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import platform  # noqa: E402
+import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -58,6 +61,41 @@ def golden_dir() -> Path:
                  "checkpoint/model.safetensors", "checkpoint/engram_token_map.json"):
         assert (GOLDEN_DIR / name).is_file(), f"golden set incomplete: {GOLDEN_DIR / name} is missing"
     return GOLDEN_DIR
+
+
+def _cpu_vendor() -> str:
+    """The CPU's vendor string (``AuthenticAMD``, ``GenuineIntel``; Linux), or "unknown"."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    match = re.search(r"^vendor_id\s*:\s*(\S+)", cpuinfo, flags=re.M)
+    return match.group(1) if match else "unknown"
+
+
+def golden_platform_check(golden_dir: Path) -> tuple[bool, str]:
+    """Whether this is the platform the golden set's bits were computed on, and a sentence saying
+    which platform this is otherwise. The set's README (section 1) names the torch CPU build; the
+    machine was an x86-64 AMD EPYC. The same torch build on an Intel AVX-512 Xeon gives other bits
+    (CPU GEMMs sum in another order there, whatever ``ATEN_CPU_CAPABILITY``, ``MKL_CBWR`` or
+    ``ONEDNN_MAX_CPU_ISA`` say), as DeepSeek's own code does (docs/numerics.md, "The verdict")."""
+    readme = (golden_dir / "README.md").read_text()
+    match = re.search(r"torch (\d+\.\d+\.\d+) \(CPU build\)", readme)
+    assert match, "README section 1 names no torch CPU build"
+    ours, vendor = torch.__version__.split("+")[0], _cpu_vendor()
+    same = (ours == match.group(1) and torch.version.cuda is None and platform.machine() in ("x86_64", "AMD64")
+            and vendor == "AuthenticAMD")
+    return same, (f"bit-exactness holds on the golden set's platform (torch {match.group(1)} CPU build, x86-64, AMD); "
+                  f"this is torch {torch.__version__} on {platform.machine()} ({vendor}), where the statistical "
+                  f"verdict applies")
+
+
+@pytest.fixture(scope="session")
+def golden_platform(golden_dir: Path) -> None:
+    """Skips a test that asserts the golden set's exact bits off the set's own platform."""
+    same, reason = golden_platform_check(golden_dir)
+    if not same:
+        pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")

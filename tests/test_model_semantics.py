@@ -307,9 +307,11 @@ def test_official_handoff_is_the_documented_quirk(tiny_official: V41Model, tiny_
     assert not torch.equal(run.steps[p - prompt_len], fresh)
 
 
-def test_official_handoff_reproduces_golden_decode_in_reference_mode(golden_dir: Path, golden, run_sequence) -> None:
-    """d001 (prompt of 1 token, 24 steps, all tie-free): bitwise equal to the reference's step_logits;
-    with own keys instead, the steps where the quirk can change the selection differ."""
+def test_official_handoff_reproduces_golden_decode_in_reference_mode(golden_dir: Path, golden, run_sequence,
+                                                                     golden_platform) -> None:
+    """d001 (prompt of 1 token, 24 steps, all tie-free): bitwise equal to the reference's step_logits
+    (on the golden set's platform); with own keys instead, the steps where the quirk can change the
+    selection differ."""
     prompt = golden["decode.d001.prompt_ids"].tolist()
     steps = golden["decode.d001.step_input_ids"].tolist()
     assert golden["decode.d001.step_start_pos"].tolist() == list(range(1, 25))
