@@ -35,7 +35,7 @@ class WorkerStream:
 
     def __init__(self, device: torch.device):
         self.stream: torch.cuda.Stream | None = None
-        self._threads: set[int] = set()
+        self._made_current = threading.local()  # per thread: True once the stream is current there
         if device.type != "cuda":
             return
         current = torch.cuda.current_stream(device)
@@ -47,10 +47,7 @@ class WorkerStream:
         self.enter()
 
     def enter(self) -> None:
-        """Make the stream current for the calling thread (a set lookup once it is)."""
-        if self.stream is None:
-            return
-        thread = threading.get_ident()
-        if thread not in self._threads:
+        """Make the stream current for the calling thread (an attribute lookup once it is)."""
+        if self.stream is not None and not getattr(self._made_current, "done", False):
             torch.cuda.set_stream(self.stream)
-            self._threads.add(thread)
+            self._made_current.done = True
