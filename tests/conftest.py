@@ -9,7 +9,8 @@
 * ``cache_snapshot``: the live per-sequence state in a ``V41Cache`` (window rings, compressed KV,
   index keys, compressor tails, Engram history), keyed by logical position/entry, so two caches
   with different block sizes, block ids and slots can be compared.
-* ``golden_platform``: skips a test that asserts the golden set's exact bits on another platform.
+* ``golden_platform``: skips a test that asserts the golden set's exact bits on another platform;
+  ``on_golden_platform``: whether this is that platform.
 * ``parity_process``: the one parity run of the session (``model.parity.main --golden DIR --dump
   FILE``, ~30-40 s single-threaded). When a selected test needs it, it is started in a child
   process right after collection, so it runs on the second core while the other tests run; the
@@ -88,6 +89,12 @@ def golden_platform_check(golden_dir: Path) -> tuple[bool, str]:
     return same, (f"bit-exactness holds on the golden set's platform (torch {match.group(1)} CPU build, x86-64, AMD); "
                   f"this is torch {torch.__version__} on {platform.machine()} ({vendor}), where the statistical "
                   f"verdict applies")
+
+
+@pytest.fixture(scope="session")
+def on_golden_platform(golden_dir: Path) -> bool:
+    """Whether CPU arithmetic here sums as on the golden set's own platform."""
+    return golden_platform_check(golden_dir)[0]
 
 
 @pytest.fixture(scope="session")

@@ -94,7 +94,7 @@ def test_steps_and_captures_run_on_the_worker_stream_in_any_thread(tiny_checkpoi
     runner = llm.engine.executor.runner
     stream = runner.stream.stream
     assert stream != torch.cuda.default_stream() and torch.cuda.current_stream() == stream
-    assert runner.graphs._capture_stream == stream
+    assert runner.graphs.capture_stream == stream
     here = _tokens(llm)
     seen = {}
 

@@ -7,9 +7,10 @@ and the dumped logits.
 
 Two verdict levels pass (docs/numerics.md, "The verdict"): BIT-EXACT, which reference mode reaches
 on the golden set's own platform (its torch CPU build on an x86-64 AMD CPU: ``golden_platform`` in
-conftest), and PASS (statistical), which faithful runs reach everywhere. The bitwise tests below therefore run only on that platform;
-elsewhere they are skipped, and the statistical criterion is checked instead, on the non-bit-exact
-batch-invariant mode (must pass) and on models with one realistic bug each (must fail).
+conftest), and PASS (statistical), which faithful runs reach everywhere. The bitwise tests below
+therefore run only on that platform; elsewhere they are skipped, and the statistical criterion is
+checked instead, on the non-bit-exact batch-invariant mode (must pass) and on models with one
+realistic bug each (must fail).
 """
 
 from __future__ import annotations

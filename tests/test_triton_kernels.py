@@ -152,7 +152,7 @@ def test_triton_rows_do_not_depend_on_the_batch_in_batch_invariant_mode():
         assert torch.equal(kernels.quantized_linear(x[i:i + 1], weight), batched[i:i + 1])
 
 
-def test_tiny_model_with_triton_kernels_matches_reference(tiny_checkpoint, monkeypatch):
+def test_tiny_model_with_triton_kernels_matches_reference(tiny_checkpoint, monkeypatch, on_golden_platform):
     """The whole tiny model with ``kernels="triton"`` against the reference arithmetic: a 24-token
     prefill, then a one-token decode step (the one-token forms: two projections of a token in one
     launch, the attention's ``wq_b`` with its indexer's).
@@ -160,9 +160,10 @@ def test_tiny_model_with_triton_kernels_matches_reference(tiny_checkpoint, monke
     The two sum in other orders, and the tiny model turns that into occasional jumps: a near-tied
     indexer selection that flips moves a row by a few tenths (docs/numerics.md), on some CPUs and not
     others. So the rows are judged as a distribution, in units of the largest reference logit: the
-    typical (median) row within 4%, every row within 20% (the jumps seen: up to 11%), the greedy
-    token the same in at least 20 of the 25 rows. A wrong scale, weight or layout moves most rows
-    by far more."""
+    typical (median) row within 4%, every row within 20% (the jumps seen: up to 11%, on an Intel
+    Xeon), the greedy token the same in at least 20 of the 25 rows. A wrong scale, weight or layout
+    moves most rows by far more. On the golden set's own platform, where no selection flips, every
+    row stays within 5% and every greedy token is the same."""
     from model.batch import ForwardBatch
     from model.cache import V41Cache
     from model.loader import load_model
@@ -190,6 +191,8 @@ def test_tiny_model_with_triton_kernels_matches_reference(tiny_checkpoint, monke
     same_top = int((ref.argmax(-1) == got.argmax(-1)).sum())
     summary = f"row errors {row_errors.tolist()}, greedy token the same in {same_top} of {len(ref)} rows"
     assert row_errors.median() < 0.04 and row_errors.max() < 0.2 and same_top >= 20, summary
+    if on_golden_platform:
+        assert row_errors.max() < 0.05 and same_top == len(ref), summary
 
 
 @pytest.mark.parametrize("rows,n", [(5, 100), (3, 4), (70, 24)])  # a head; a tiny router; the prefill form

@@ -198,6 +198,7 @@ class DecodeGraphs:
         self.prev_tokens = torch.zeros(max(plan.max_previous_rows, 1), dtype=torch.long, device=device)
         self.logits = torch.empty(plan.batch_sizes[-1], model.cfg.vocab_size, dtype=torch.float32, device=device)
         self.pool = None  # made at the first capture (run_eager also works on a CPU twin)
+        self.capture_stream = None  # the stream the steps run on, set at capture (None: torch's side stream)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         # what ``bucket`` searches at every step, per context in increasing order: (tokens, block-table
         # columns, batch sizes)
@@ -215,7 +216,7 @@ class DecodeGraphs:
         self.pool = self.pool or torch.cuda.graph_pool_handle()
         # the stream the steps run on; the default stream cannot capture, so then torch's side stream
         current = torch.cuda.current_stream()
-        self._capture_stream = None if current == torch.cuda.default_stream() else current
+        self.capture_stream = None if current == torch.cuda.default_stream() else current
         for bucket in sorted(self.plan.buckets, key=lambda b: (b[0] * b[1], b[0]), reverse=True):
             self._capture(bucket)
         torch.cuda.synchronize()
@@ -229,7 +230,7 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         # thread_local: the communicator's watchdog thread may query its events meanwhile
-        with torch.cuda.graph(graph, pool=self.pool, stream=self._capture_stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream, capture_error_mode="thread_local"):
             self.run_eager(bucket)
         self.graphs[bucket] = graph
 
