@@ -16,7 +16,8 @@ The time the host spends waiting for the steps' results is printed next to the s
 (``timed_collects``): a step the host waits for is bound by the device, one it does not wait for by
 the host's own work. With CUDA graphs, the median device time of one graph replay (the forward and
 the head; ``ReplayTimer``) is printed too: the step time less that is the sampler, the copies and any
-time the device waited.
+time the device waited. The share of the step outside the replays (from their mean) is thus an upper
+bound, from CUDA events alone, on the GPU's idle time between decode steps.
 
 The limit of a step is what the device must at least do: read every weight the step touches once
 (the dense weights, the head and the expected number of distinct routed experts hit by
@@ -180,10 +181,28 @@ class ReplayTimer:
         if self.graphs is not None:
             del self.graphs.replay  # the class's method again
 
+    def times_us(self) -> list[float]:
+        """Microseconds of each replay timed, sorted (read after a device synchronisation)."""
+        return sorted(start.elapsed_time(end) * 1e3 for start, end in self.events)
+
     def median_us(self) -> float | None:
-        """Median microseconds of the replays timed (read after a device synchronisation), or None."""
-        times = sorted(start.elapsed_time(end) * 1e3 for start, end in self.events)
+        """Median microseconds of the replays timed, or None."""
+        times = self.times_us()
         return times[len(times) // 2] if times else None
+
+    def mean_us(self) -> float | None:
+        """Mean microseconds of the replays timed, or None."""
+        times = self.times_us()
+        return sum(times) / len(times) if times else None
+
+
+def outside_graphs_pct(step_s: float, mean_replay_us: float | None) -> float | None:
+    """Share of a decode step the device spent outside its graph replay (CUDA events): the sampler,
+    the copies and the time it waited for the host. It bounds the GPU's idle time between steps from
+    above without a profiler's own overhead; None without graphs."""
+    if mean_replay_us is None:
+        return None
+    return max(0.0, 100 * (1 - mean_replay_us * 1e-6 / step_s))
 
 
 def synchronize() -> None:
@@ -351,6 +370,7 @@ def main() -> int:
             replays = ReplayTimer(llm.engine)
             prefill, step, waited = decode_step_times(llm, prompts, steps, around_steps=replays)
             graph_us = replays.median_us()
+            outside = outside_graphs_pct(step, replays.mean_us())
             nbytes, flops = step_cost(cfg, batch, args.context, args.dp)
             limit = max(nbytes / bandwidth, flops / peak)
             prefill_rate = batch * args.dp * args.context / prefill
@@ -359,12 +379,14 @@ def main() -> int:
                        prefill_tokens_per_s=prefill_rate, prefill_limit_tokens_per_s=prefill_limit,
                        tokens_per_s=batch * args.dp / step, tokens_per_s_per_gpu=batch / step, limit_ms=limit * 1e3, pct_of_limit=100 * limit / step,
                        bytes_per_step_gb=nbytes / 1e9, prefill_s=prefill, weights_gib=held_gib,
-                       checkpoint_gib=expected_gib, host_wait_ms=None if waited is None else waited * 1e3, graph_replay_us=graph_us)
+                       checkpoint_gib=expected_gib, host_wait_ms=None if waited is None else waited * 1e3, graph_replay_us=graph_us,
+                       outside_graphs_pct=outside)
             rows.append(row)
             if batch == args.profile_batch and variant == args.kernels.split(",")[0] and args.dp == 1:
                 profile_steps(llm, prompts, args.profile_out)
             wait = "not timed with --dp" if waited is None else f"{waited * 1e3:.2f} ms/step"
-            graph = "" if graph_us is None else f", graph replay {graph_us:.1f} us (median)"
+            graph = "" if graph_us is None else (f", graph replay {graph_us:.1f} us (median), device outside "
+                                                 f"the replays {outside:.1f}% of the step")
             print(f"{variant:10s} batch {batch:4d} x {args.dp}: step {step * 1e3:8.2f} ms, "
                   f"{batch * args.dp / step:8.1f} tok/s ({batch / step:.1f} per GPU), "
                   f"limit {limit * 1e3:6.3f} ms ({100 * limit / step:5.1f}% of it), "

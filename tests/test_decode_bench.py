@@ -77,7 +77,7 @@ def test_replays_are_timed_only_where_graphs_replay():
 
     with ReplayTimer(SimpleNamespace(executor=SimpleNamespace())) as replays:
         pass
-    assert replays.median_us() is None
+    assert replays.median_us() is None and replays.mean_us() is None
     llm = LLM(None, device="cpu", max_num_seqs=1, max_model_len=64)
     try:
         replays = ReplayTimer(llm.engine)
@@ -102,5 +102,14 @@ def test_every_timed_decode_step_replays_a_graph_and_is_timed(tiny_checkpoint):
         assert "replay" not in vars(replays.graphs)
         assert 5 <= len(replays.events) <= 7  # one per launched step: the engine runs one step ahead
         assert 0 < replays.median_us() < step * 1e6
+        assert 0 < replays.mean_us() < step * 1e6
     finally:
         llm.close()
+
+
+def test_the_share_outside_the_graph_replays_is_what_the_replays_leave_of_a_step():
+    from benchmarks.decode import outside_graphs_pct
+
+    assert outside_graphs_pct(7.42e-3, 7296.0) == pytest.approx(100 * 124 / 7420)
+    assert outside_graphs_pct(1e-3, 1000.5) == 0.0  # event and host clocks differ by a little
+    assert outside_graphs_pct(1e-3, None) is None
