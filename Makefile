@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: serve test venv venv-test clean
+.PHONY: serve test test-gpu venv venv-test clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ serve: venv
 
 test: venv-test
 	$(PY) -m pytest -q tests
+
+# only the tests marked `gpu` (on a CUDA machine; the CPU suite's other tests are not run again there)
+test-gpu: venv-test
+	$(PY) -m pytest -q -m gpu tests
 
 clean:
 	rm -rf $(VENV)
