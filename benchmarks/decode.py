@@ -61,6 +61,7 @@ from engine_core.protocol import SamplingParams  # noqa: E402
 from frontend.llm import LLM  # noqa: E402
 from model.cache_formats import COMPRESSED_KV, INDEX_KEYS, WINDOW_KV  # noqa: E402
 from model.config import V41Config  # noqa: E402
+from model.kernels import tile_configs  # noqa: E402
 from model.loader import checkpoint_bytes, held_weight_bytes  # noqa: E402
 from model.weight_spec import checkpoint_tensors  # noqa: E402
 
@@ -294,7 +295,9 @@ def main() -> int:
     parser.add_argument("--preset", default="v41-flash-L8")
     parser.add_argument("--kernels", default="triton,triton-eager,reference",
                         help="backends to run; suffixes: -bi turns --batch-invariant on, -eager turns CUDA graphs "
-                             "off (--enforce-eager), -nozos zero-overhead scheduling off (--no-zos) for that run")
+                             "off (--enforce-eager), -nozos zero-overhead scheduling off (--no-zos), -tc the FP8 "
+                             "products of up to 8 tokens onto the tensor-core matrix-vector kernel (triton_mma_gemv; "
+                             "in-process engine only) for that run")
     parser.add_argument("--batch", default="1,8,32,128,256", help="sequences per DP rank")
     parser.add_argument("--dp", type=int, default=1,
                         help="data-parallel ranks (one GPU each, experts sharded): batch sizes are per rank")
@@ -330,9 +333,13 @@ def main() -> int:
           f"torch {torch.__version__}; model {args.model}", flush=True)
     batches = [int(b) for b in args.batch.split(",")]
     rows = []
+    default_tensor_core_tokens = tile_configs.MMA_GEMV_MAX_TOKENS
     for variant in args.kernels.split(","):
         kernels, *suffixes = variant.split("-")
         batch_invariant, eager, zos = "bi" in suffixes, "eager" in suffixes, "nozos" not in suffixes
+        if "tc" in suffixes and args.dp != 1:
+            parser.error("-tc sets a tile table of this process: it needs the in-process engine (--dp 1)")
+        tile_configs.MMA_GEMV_MAX_TOKENS = 8 if "tc" in suffixes else default_tensor_core_tokens
         runnable = [b for b in batches if kernels != "reference" or b <= args.reference_max_batch]
         if not runnable:
             continue

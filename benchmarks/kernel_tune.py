@@ -32,7 +32,7 @@ def run_tune(bench, ms: list[int]) -> None:
     # (triton_bf16_mm, compared bit for bit). Experts: the weight rows stay on the tensor cores'
     # 64-row side (batch invariance) (outputs compared bit for bit).
     tables = _tables()
-    from model.kernels import triton_gemv  # (imported late, as in _tables)
+    from model.kernels import triton_gemv, triton_mma_gemv  # (imported late, as in _tables)
     decode_cfgs = [tables.DecodeConfig(bw, bk, bw // 16, st, pps) for bw in (64, 128) for bk in (128, 256)
                    for st in (3, 4) for pps in (2, 4, 8)]
     # the FP8 linears' kernel (one scale block per step; block_k = 32, the unit of its splits)
@@ -42,6 +42,10 @@ def run_tune(bench, ms: list[int]) -> None:
     # program (dividing 32), K columns per step, warps, programs per SM before split-K stops
     gemv_cfgs = [tables.DecodeConfig(bw, bk, warps, 1, pps) for bw in (16, 32) for bk in (128, 256, 512)
                  for warps in (2, 4, 8) for pps in (4, 8)]
+    # a few tokens' FP8 products on the tensor cores fed from registers (triton_mma_gemv): 32 weight rows per
+    # warp, 1-8 warps, 2-16 programs per SM before split-K stops; swept against whatever the backend uses
+    # now at M <= 8 (its default), so the sweep is also the head-to-head that decides MMA_GEMV_MAX_TOKENS
+    mma_cfgs = [tables.DecodeConfig(32 * warps, 32, warps, 1, pps) for warps in (1, 2, 4, 8) for pps in (2, 4, 8, 16)]
     moe_cfgs = [tables.TileConfig(bm, bn, warps, st) for bm in (16, 32) for bn in (64, 128) for warps in (4, 8)
                 for st in (2, 3, 4)]
     # prefill: tens to hundreds of tokens per expert, wider token tiles for the tensor cores. 128 weight
@@ -55,7 +59,7 @@ def run_tune(bench, ms: list[int]) -> None:
                     for warps in (4, 8) for st in (3, 4) if st * 64 * 2 * (bm + bn) <= 200 * 1024]
     if bench.args.tiny:
         decode_cfgs, moe_cfgs, fp8_cfgs = decode_cfgs[1::5], moe_cfgs[1::5], fp8_cfgs[1::5]  # the logic, not the numbers
-        gemv_cfgs = gemv_cfgs[1::5]
+        gemv_cfgs, mma_cfgs = gemv_cfgs[1::5], mma_cfgs[1::5]
         moe_prefill_cfgs, prefill_cfgs = moe_prefill_cfgs[1::5], prefill_cfgs[1::5]
     budget = (bench.budget_fast[0] * 0.4, bench.budget_fast[1], bench.budget_fast[2])
     for m in ms:
@@ -70,6 +74,8 @@ def run_tune(bench, ms: list[int]) -> None:
             limit_s = limit_of(nbytes, flops, bench.ceil)[2]
             if m > bench.tk_decode_max:
                 table, cfgs, default = "bf16", prefill_cfgs, tables.bf16_mm_config(m)
+            elif m <= min(tables.MMA_GEMV_MAX_TOKENS, triton_mma_gemv.MAX_TOKENS):  # the tensor-core form
+                table, cfgs, default = "mma_gemv", mma_cfgs, tables.mma_gemv_config(m)
             elif m <= triton_gemv.MAX_TOKENS:  # the backend's one-token form (not in the batch-invariant mode)
                 table, cfgs, default = "gemv", gemv_cfgs, tables.gemv_config(m)
             elif spec.groups > 1:
@@ -78,6 +84,9 @@ def run_tune(bench, ms: list[int]) -> None:
                 table, cfgs, default = "fp8_decode", fp8_cfgs, tables.fp8_decode_config(m)
             _sweep(bench, spec.name, m, limit_s, default, cfgs, table,
                    lambda i: fn(xs[i % nx], ws[i % len(ws)]), budget)
+            if m <= triton_mma_gemv.MAX_TOKENS and table != "mma_gemv":
+                _sweep(bench, spec.name, m, limit_s, default, mma_cfgs, "mma_gemv",
+                       lambda i: fn(xs[i % nx], ws[i % len(ws)]), budget)
             del xs
         sets = bench.routing_sets(m, 8)
         hit = statistics.mean(int(torch.unique(st[2]).numel()) for st in sets)
@@ -124,18 +133,21 @@ def _sweep(bench, name, m, limit_s, default, cfgs, table, call, budget) -> None:
 
 
 @contextlib.contextmanager
-def override_tables(moe=None, decode=None, fp8_decode=None, bf16=None, gemv=None):
-    """Every M takes ``moe`` / ``decode`` / ``fp8_decode`` / ``bf16`` / ``gemv`` while inside (the tables
-    are read at each call)."""
+def override_tables(moe=None, decode=None, fp8_decode=None, bf16=None, gemv=None, mma_gemv=None):
+    """Every M takes ``moe`` / ``decode`` / ``fp8_decode`` / ``bf16`` / ``gemv`` / ``mma_gemv`` while inside
+    (the tables are read at each call); ``mma_gemv`` also turns the tensor-core form on up to 8 tokens."""
     tables = _tables()
     names = {"moe": "_MOE_TABLE", "decode": "_DECODE_MM_TABLE", "fp8_decode": "_FP8_DECODE_TABLE",
-             "bf16": "_BF16_MM_TABLE", "gemv": "_GEMV_TABLE"}
-    chosen = {"moe": moe, "decode": decode, "fp8_decode": fp8_decode, "bf16": bf16, "gemv": gemv}
-    saved = {attr: getattr(tables, attr) for attr in names.values()}
+             "bf16": "_BF16_MM_TABLE", "gemv": "_GEMV_TABLE", "mma_gemv": "_MMA_GEMV_TABLE"}
+    chosen = {"moe": moe, "decode": decode, "fp8_decode": fp8_decode, "bf16": bf16, "gemv": gemv,
+              "mma_gemv": mma_gemv}
+    saved = {attr: getattr(tables, attr) for attr in [*names.values(), "MMA_GEMV_MAX_TOKENS"]}
     try:
         for key, cfg in chosen.items():
             if cfg is not None:
                 setattr(tables, names[key], ((1 << 62, cfg),))
+        if mma_gemv is not None:
+            tables.MMA_GEMV_MAX_TOKENS = 8
         yield
     finally:
         for attr, table in saved.items():
@@ -162,7 +174,7 @@ def tune_markdown(bench) -> str:
                      f"| {e['limit_s'] / e['best_s']:.0%} |")
     # the tables are keyed by M only: the config with the least total time over the GEMMs of each M
     lines += ["", "Best single config per M and table (sum over its GEMMs: the FP8 linears, wo_a, the experts):", ""]
-    for table in ("gemv", "fp8_decode", "decode", "bf16", "moe"):
+    for table in ("gemv", "mma_gemv", "fp8_decode", "decode", "bf16", "moe"):
         for m in sorted({e["m"] for e in bench.tune}):
             entries = [e for e in bench.tune if e["m"] == m and e["table"] == table]
             totals: dict[str, float] = {}

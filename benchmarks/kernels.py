@@ -59,7 +59,9 @@ script stops with exit status 1 if any difference exceeds 1e-2 or any output is 
 ``--tune`` sweeps, at the given M values, the configs of the FP8 linears' one-token form (M = 1 outside
 ``--batch-invariant``, ``triton_gemv``: 16-32 weight rows x 128-512 K columns per step, 2-8 warps, 4 or 8
 programs per SM before split-K stops; outputs compared with the default config's within the
-tolerance), of their decode form (M <= 64:
+tolerance), of the tensor-core matrix-vector form at M <= 8 (``triton_mma_gemv``: 1-8 warps of 32
+weight rows, 2-16 programs per SM before split-K stops; swept against the backend's current form at
+that M, outputs compared within the tolerance), of their decode form (M <= 64:
 64-128 weight rows, 3-6 stages, 2-8 programs per SM before split-K stops, with or without the
 one-wave cap; ``wo_a``: 64-128 weight rows x 128-256 K columns per step, 3-4 stages; outputs
 compared with the default config's within the tolerance, since another split sums in another
@@ -70,6 +72,9 @@ stages; above: 64-128 tokens x 128 weight rows, 8 warps, 2-4 stages; outputs com
 for bit: the experts' kernels are batch invariant), by
 overriding ``model.kernels.tile_configs`` tables for the duration of each measurement, and prints
 the best config per (kernel, M) and the best single config per M (``benchmarks/kernel_tune.py``).
+
+``--tensor-core-tokens N`` lets the FP8 products of at most N tokens take ``triton_mma_gemv`` (the
+default is ``tile_configs.MMA_GEMV_MAX_TOKENS``): the same run with 0 and 8 compares the two.
 
 ``--batch-invariant`` measures the Triton backend's batch-invariant mode (every product in its
 prefill form) instead of the default (split-K decode form at M <= 64).
@@ -442,6 +447,9 @@ def parse_args(argv=None):
                    help="the Triton backend's batch-invariant mode (no split-K decode form)")
     p.add_argument("--expert-rows", action="store_true",
                    help="keep the FP4 experts in the checkpoint's row layout (the kernels' other path)")
+    p.add_argument("--tensor-core-tokens", type=int, default=None,
+                   help="FP8 products of at most this many tokens take the tensor-core matrix-vector kernel "
+                        "(triton_mma_gemv; 0: none; default: tile_configs.MMA_GEMV_MAX_TOKENS)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.m is None:
@@ -469,6 +477,8 @@ def main(argv=None) -> int:
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernels are imported
     _import_kernels()
+    if args.tensor_core_tokens is not None:
+        tile_configs.MMA_GEMV_MAX_TOKENS = args.tensor_core_tokens
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.cuda.set_stream(torch.cuda.Stream(device))  # one stream for everything, graphs included

@@ -41,6 +41,16 @@ def test_every_kernel_compiles_for_hopper_with_wgmma():
     assert all(line.endswith("ok") for line in lines), done.stdout
 
 
+def test_lane_tensor_check_tells_one_element_per_thread_from_others():
+    asm = 'tt.elementwise_inline_asm "mov.u32 $0, %laneid;" %i : tensor<128xi32, {}> -> tensor<128xi32, {}>'
+    one = "#blocked3 = #ttg.blocked<{sizePerThread = [1], threadsPerWarp = [32], warpsPerCTA = [4], order = [0]}>"
+    four = "#blocked3 = #ttg.blocked<{sizePerThread = [4], threadsPerWarp = [32], warpsPerCTA = [1], order = [0]}>"
+    use = asm.format("#blocked3", "#blocked3")
+    assert _lane_tensors_problems(f"{one}\n{use}\n", 4) == []
+    assert "not one element per thread" in _lane_tensors_problems(f"{four}\n{use}\n", 4)[0]
+    assert _lane_tensors_problems(one, 4) == ["no lane-id or tensor-core inline assembly found"]
+
+
 # ----------------------------------------------------------------------------- the child process
 def _local_memory_in_loops(sass: str) -> list[str]:
     """Problems if a loop of the kernel (a backward branch to a label) spills registers to local memory
@@ -58,6 +68,24 @@ def _local_memory_in_loops(sass: str) -> list[str]:
     return []
 
 
+def _lane_tensors_problems(ttgir: str, warps: int) -> list[str]:
+    """Problems if an inline assembly that reads the lane id or runs a warp's tensor-core instruction
+    (``triton_mma_gemv``) works on a tensor other than one element per thread: such a kernel computes
+    each thread's addresses from its hardware lane id and needs all 32 lanes in the instruction."""
+    layouts = dict(re.findall(r"^(#\w+) = (#ttg\.blocked<.*>)$", ttgir, flags=re.M))
+    one_each = f"sizePerThread = [1], threadsPerWarp = [32], warpsPerCTA = [{warps}], order = [0]"
+    problems = []
+    asm_lines = [line for line in ttgir.splitlines() if "elementwise_inline_asm" in line
+                 and ("%laneid" in line or "mma.sync" in line)]
+    if not asm_lines:
+        problems.append("no lane-id or tensor-core inline assembly found")
+    for line in asm_lines:
+        for name in set(re.findall(r"tensor<\d+x\w+, (#\w+)>", line)):
+            if one_each not in layouts.get(name, ""):
+                problems.append(f"inline assembly on {name} = {layouts.get(name)}, not one element per thread")
+    return problems
+
+
 def main() -> int:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -65,14 +93,15 @@ def main() -> int:
 
     from model.cache_formats import COMPRESSED_KV, INDEX_KEYS, WINDOW_KV
     from model.kernels import (tile_configs, triton_align_pairs, triton_bf16_mm, triton_cache_codec,
-                               triton_decode_mm, triton_engram, triton_gemv, triton_greedy, triton_join_lists, triton_fp4_round_trip, triton_hc_coefficients, triton_index_scores,
+                               triton_decode_mm, triton_engram, triton_gemv, triton_greedy, triton_mma_gemv, triton_join_lists, triton_fp4_round_trip, triton_hc_coefficients, triton_index_scores,
                                triton_mhc, triton_moe, triton_moe_sum, triton_ngram_hash, triton_rms_norm, triton_rope, triton_route,
                                triton_scaled_mm, triton_sinkhorn, triton_sparse_attention, triton_top_entries)
 
     hopper = GPUTarget("cuda", 90, 32)
 
     def check(label: str, fn, types: dict[str, str], constants: dict, cfg=None, wgmma: bool = True,
-              options: dict | None = None, aligned: tuple[str, ...] = (), spill_free: bool = False) -> None:
+              options: dict | None = None, aligned: tuple[str, ...] = (), spill_free: bool = False,
+              inspect=None) -> None:
         signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
         if options is None:
             options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} if cfg else {"num_warps": 4}
@@ -84,6 +113,8 @@ def main() -> int:
             problems.append("compiled without wgmma")
         if spill_free:
             problems += _local_memory_in_loops(kernel.asm["sass"])
+        if inspect is not None:
+            problems += inspect(kernel)
         print(f"{label}: {', '.join(problems) or 'ok'}")
 
     def scalars(names: str) -> dict[str, str]:
@@ -159,6 +190,20 @@ def main() -> int:
                   aligned=("x_ptr", "w_ptr", "s_ptr", "w2_ptr", "s2_ptr", "out_ptr", "part_ptr", "K", "k_per_split",
                            "stride_os"),
                   spill_free=True)
+    for _, cfg in tile_configs._MMA_GEMV_TABLE:
+        for tokens, quantize, partial in ((2, True, True), (2, True, False), (8, True, True), (2, False, True)):
+            check(f"fp8_mma_gemv tokens={tokens} quantize={quantize} partial={partial} {cfg}",
+                  triton_mma_gemv._fp8_mma_gemv_kernel,
+                  {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "w2_ptr": "*u8", "s2_ptr": "*u8",
+                   "out_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32", "act_ptr": "*fp16",
+                   "act_scale_ptr": "*fp32", **scalars("M N N2 stride_x k_per_split splits width")},
+                  {"K": 5120, "TOKENS": tokens, "WARPS": cfg.num_warps, "QUANTIZE": quantize, "PARTIAL": partial,
+                   "INTERPRETED": False}, cfg, wgmma=False,
+                  aligned=("x_ptr", "w_ptr", "s_ptr", "w2_ptr", "s2_ptr", "out_ptr", "part_ptr", "act_ptr",
+                           "act_scale_ptr", "N", "N2", "stride_x", "k_per_split", "width"),
+                  spill_free=True,
+                  inspect=lambda kernel, warps=cfg.num_warps: _lane_tensors_problems(kernel.asm["ttgir"], warps)
+                  + ([] if "HMMA.16816.F32" in kernel.asm["sass"] else ["no m16n8k16 tensor-core instruction"]))
     for same in (False, True):
         check(f"greedy chunk same={same}", triton_greedy._chunk_kernel,
               {"raw_ptr": "*fp32", "processed_ptr": "*fp32", "part_ptr": "*fp32",

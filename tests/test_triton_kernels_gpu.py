@@ -88,6 +88,31 @@ def test_one_token_split_counters_give_the_same_bits_every_launch(kernels):
     assert not any(counters.any() for counters in triton_split_sums._counters.values())
 
 
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_tensor_core_matrix_vector_real_shapes(kernels, monkeypatch, m):
+    """``triton_mma_gemv`` (chosen through ``tile_configs.MMA_GEMV_MAX_TOKENS``) at every FP8 shape of a
+    layer, the pairs and the grouped ``wo_a`` against the reference; 50 launches give the same bits."""
+    from model.kernels import tile_configs
+
+    monkeypatch.setattr(tile_configs, "MMA_GEMV_MAX_TOKENS", 8)
+    _, reference, decode_k = kernels
+    gen = torch.Generator(device="cuda").manual_seed(20 + m)
+    for name, (n, k) in FP8_SHAPES.items():
+        weight = fp8_weight(n, k, gen)
+        x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+        got = decode_k.quantized_linear(x, weight)
+        assert_close_to_reference(got, reference.quantized_linear(x, weight))
+        assert all(torch.equal(decode_k.quantized_linear(x, weight), got) for _ in range(50)), name
+    weights = [fp8_weight(*FP8_SHAPES[name], gen) for name in ("wq_a", "wkv")]
+    x = torch.randn(m, 5120, device="cuda", generator=gen).bfloat16()
+    for got, weight in zip(decode_k.quantized_linears(x, weights), weights):
+        assert_close_to_reference(got, reference.quantized_linear(x, weight))
+    wo_a = fp8_weight(8 * 1024, 4096, gen)
+    x = torch.randn(m, 8, 4096, device="cuda", generator=gen).bfloat16()
+    assert_close_to_reference(decode_k.grouped_dequantized_linear(x, wo_a),
+                              reference.grouped_dequantized_linear(x, wo_a))
+
+
 def test_fp8_linear_prefill_rows_equal_decode_rows(kernels):
     triton_k, _, _ = kernels
     gen = torch.Generator(device="cuda").manual_seed(11)

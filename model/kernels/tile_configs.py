@@ -126,3 +126,23 @@ _GEMV_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
 
 def gemv_config(m: int) -> DecodeConfig:
     return _pick(_GEMV_TABLE, m)
+
+
+# The FP8 products of at most this many tokens take ``triton_mma_gemv`` (the tensor cores fed from
+# registers) outside the batch-invariant mode; 0: none does. It stays 0 until the kernel has been run
+# and timed against ``triton_gemv`` and the decode form on a GPU (``benchmarks/kernels.py
+# --tensor-core-tokens 8``; docs/benchmarks.md): it is written and compiled for sm_90, not yet measured
+MMA_GEMV_MAX_TOKENS = 0
+
+# (largest M, config): ``triton_mma_gemv``. ``block_w`` is the program's weight rows (32 per warp,
+# ``num_warps`` warps), ``block_k`` the 32-column step its splits are whole multiples of. A starting
+# point for the sweep: a warp keeps one 1 KB block of loads in flight, and an H200 SM needs ~25 KB in
+# flight to stream at full bandwidth, so enough splits for 8 programs of 4 warps per SM (44 registers
+# per thread: they all fit)
+_MMA_GEMV_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
+    (8, DecodeConfig(128, 32, 4, 1, 8)),
+)
+
+
+def mma_gemv_config(m: int) -> DecodeConfig:
+    return _pick(_MMA_GEMV_TABLE, m)

@@ -21,7 +21,7 @@ from .triton_bf16_mm import BLOCK_K as BF16_MM_BLOCK_K
 from .triton_bf16_mm import bf16_mm
 from .triton_decode_mm import MAX_TOKENS as DECODE_MAX_TOKENS
 from .triton_decode_mm import decode_mm, fp8_decode_mm
-from . import triton_gemv
+from . import tile_configs, triton_gemv, triton_mma_gemv
 from .triton_moe import BLOCK_K as MOE_BLOCK_K
 from .triton_moe import fused_experts
 from .triton_moe_sum import moe_sum, swiglu
@@ -42,7 +42,8 @@ from .weights import ExpertWeights, QuantizedWeight
 class TritonKernels(KernelBackend):
     """``batch_invariant``: every product in its prefill form, whose rows never depend on M (see
     ``triton_bf16_mm``); otherwise the FP8 products of one token take the matrix-vector form
-    (``triton_gemv``, two projections of one input in one launch) and those of at most
+    (``triton_gemv``, two projections of one input in one launch; ``triton_mma_gemv`` on the tensor
+    cores up to ``tile_configs.MMA_GEMV_MAX_TOKENS`` tokens, once measured) and those of at most
     ``decode_mm.MAX_TOKENS`` rows the split-K decode form (``triton_decode_mm``). The sparse attention is one launch per layer
     (``triton_sparse_attention``), where its torch twin takes ~120 small kernels; mHC's coefficients
     take two (``triton_hc_coefficients``) instead of ~140; RMSNorm, RoPE, the FP8/FP4 round trips,
@@ -61,15 +62,23 @@ class TritonKernels(KernelBackend):
     def _decode_form(self, m: int) -> bool:
         return not self.batch_invariant and 0 < m <= DECODE_MAX_TOKENS
 
-    def _vector_form(self, m: int, *weights: QuantizedWeight) -> bool:
-        return not self.batch_invariant and 0 < m <= triton_gemv.MAX_TOKENS and all(
-            w.fmt is WeightFormat.FP8 and triton_gemv.fits(w.values, w.scales) for w in weights)
+    def _matrix_vector(self, m: int, *weights: QuantizedWeight):
+        """The matrix-vector kernel that takes these FP8 weights' products of ``m`` tokens (outside the
+        batch-invariant mode): ``triton_mma_gemv`` up to ``tile_configs.MMA_GEMV_MAX_TOKENS`` tokens,
+        ``triton_gemv`` at one; None: the decode or prefill form."""
+        if self.batch_invariant or m < 1 or not all(
+                w.fmt is WeightFormat.FP8 and triton_gemv.fits(w.values, w.scales) for w in weights):
+            return None
+        if m <= min(tile_configs.MMA_GEMV_MAX_TOKENS, triton_mma_gemv.MAX_TOKENS):
+            return triton_mma_gemv.fp8_mma_gemv
+        return triton_gemv.fp8_gemv if m <= triton_gemv.MAX_TOKENS else None
 
     def quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        if self._vector_form(rows.shape[0], weight):
-            out = triton_gemv.fp8_gemv(rows, [(weight.values, weight.scales)], quantize=True)
+        gemv = self._matrix_vector(rows.shape[0], weight)
+        if gemv is not None:
+            out = gemv(rows, [(weight.values, weight.scales)], quantize=True)
         elif weight.fmt is WeightFormat.FP8 and self._decode_form(rows.shape[0]):
             out = fp8_decode_mm(rows, weight.values, weight.scales)
         elif weight.fmt is WeightFormat.FP8:  # the faster kernel for FP8 (triton_bf16_mm's docstring)
@@ -79,13 +88,13 @@ class TritonKernels(KernelBackend):
         return out.view(*shape[:-1], -1)
 
     def quantized_linears(self, x: torch.Tensor, weights: Sequence[QuantizedWeight]) -> list[torch.Tensor]:
-        """Two FP8 projections of one token in one launch (``triton_gemv``); otherwise one by one."""
+        """Two FP8 projections of a few tokens in one launch (a matrix-vector kernel); otherwise one by one."""
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        if len(weights) != 2 or not self._vector_form(rows.shape[0], *weights) \
-                or weights[0].in_features != weights[1].in_features:
+        gemv = self._matrix_vector(rows.shape[0], *weights)
+        if len(weights) != 2 or gemv is None or weights[0].in_features != weights[1].in_features:
             return super().quantized_linears(x, weights)
-        out = triton_gemv.fp8_gemv(rows, [(w.values, w.scales) for w in weights], quantize=True)
+        out = gemv(rows, [(w.values, w.scales) for w in weights], quantize=True)
         first = weights[0].out_features
         return [out[:, :first].view(*shape[:-1], -1), out[:, first:].view(*shape[:-1], -1)]
 
@@ -93,9 +102,9 @@ class TritonKernels(KernelBackend):
         if not isinstance(weight, QuantizedWeight) or weight.fmt is not WeightFormat.FP8:
             return self._plain.grouped_dequantized_linear(x, weight)
         t, groups, k = x.shape
-        if self._vector_form(t, weight):
-            out = triton_gemv.fp8_gemv(x.reshape(t, groups * k), [(weight.values, weight.scales)], quantize=False,
-                                       groups=groups)
+        gemv = self._matrix_vector(t, weight)
+        if gemv is not None:
+            out = gemv(x.reshape(t, groups * k), [(weight.values, weight.scales)], quantize=False, groups=groups)
             return out.view(t, groups, -1)
         mm = decode_mm if self._decode_form(t) else bf16_mm
         out = mm(x.reshape(t, groups * k), weight.values, weight.scales, weight.fmt, groups=groups)
