@@ -181,7 +181,7 @@ def test_invalid_requests_are_refused_without_leaving_anything(tiny_checkpoint, 
     assert_engine_idle_and_free(core)
     assert core.step() == []
     # the id is free for a valid request
-    core.add_request(AddRequest("bad", [5, 6, 7], SamplingParams(max_tokens=2)))
+    core.add_request(AddRequest("bad", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True)))
     c = Collector(core)
     c.run()
     assert len(c.tokens("bad")) == 2
@@ -190,7 +190,7 @@ def test_invalid_requests_are_refused_without_leaving_anything(tiny_checkpoint, 
 
 def test_duplicate_live_request_id_is_refused(tiny_checkpoint):
     core = make_engine(tiny_checkpoint)
-    core.add_request(AddRequest("dup", [5, 6, 7], SamplingParams(max_tokens=3)))
+    core.add_request(AddRequest("dup", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True)))
     with pytest.raises(ValueError, match="already"):
         core.add_request(AddRequest("dup", [8, 9], SamplingParams(max_tokens=3)))
     c = Collector(core)
@@ -204,7 +204,7 @@ def test_llm_generate_refusing_one_prompt_leaves_nothing_behind(tiny_checkpoint)
     with pytest.raises(ValueError, match="does not fit"):
         llm.generate([[5, 6, 7], [7] * 300], SamplingParams(max_tokens=4), use_tqdm=False)
     assert not llm.engine.has_work and llm.engine.stats().waiting == 0
-    (result,) = llm.generate([[8, 9]], SamplingParams(max_tokens=3), use_tqdm=False)
+    (result,) = llm.generate([[8, 9]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(result.token_ids) == 3
 
 
