@@ -70,6 +70,35 @@ def linear_specs(s: Shapes) -> list[LinearSpec]:
     ]
 
 
+# projections of one input that the model runs as one call (``model.layers.project``: one launch where
+# the kernel backend has one, as at one token); the layer's CUDA graph runs them the same way
+LAYER_PAIRS = (("attn.wq_a", "attn.wkv"), ("attn.wq_b", "indexer.wq_b"), ("shared.w1", "shared.w3"))
+
+
+def layer_calls(specs: list[LinearSpec], weight_of, kernels, m: int, gen: torch.Generator, device: torch.device):
+    """One layer's FP8 projections as the model calls them, on fresh random inputs of ``m`` tokens:
+    ``[(names, x, call)]``, each ``call()`` returning the outputs of ``names`` for input ``x``; the pairs of
+    ``LAYER_PAIRS`` through ``kernels.quantized_linears``, every other projection (and a pair member
+    whose partner is not in ``specs``) alone. ``weight_of(name)``: the weight to use for it."""
+    by_name = {spec.name: spec for spec in specs}
+    partner = {a: b for a, b in LAYER_PAIRS if a in by_name and b in by_name}
+    calls = []
+    for spec in specs:
+        if spec.name in partner.values():
+            continue  # called with its pair
+        shape = (m, spec.groups, spec.k) if spec.groups > 1 else (m, spec.k)
+        x = torch.randn(shape, device=device, generator=gen).to(torch.bfloat16)
+        w = weight_of(spec.name)
+        if spec.name in partner:
+            ws = [w, weight_of(partner[spec.name])]
+            calls.append(((spec.name, partner[spec.name]), x, lambda x=x, ws=ws: kernels.quantized_linears(x, ws)))
+        elif spec.groups > 1:
+            calls.append(((spec.name,), x, lambda x=x, w=w: [kernels.grouped_dequantized_linear(x, w)]))
+        else:
+            calls.append(((spec.name,), x, lambda x=x, w=w: [kernels.quantized_linear(x, w)]))
+    return calls
+
+
 # ----------------------------------------------------------------------------------- data
 def fp8_weight(rows: int, cols: int, gain: float, device: torch.device, gen: torch.Generator):
     """An FP8 projection as a checkpoint holds it: normal * gain * fan_in**-0.5, quantized per 32x32 tile."""

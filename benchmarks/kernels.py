@@ -47,8 +47,10 @@ expert loops of the reference and of plain torch, are timed as they run, host in
 sizes (M <= 256) the Triton calls are timed as CUDA-graph replays of 16 calls (rotating inputs and
 weights), per call: launching a few-microsecond kernel from Python takes longer than the kernel,
 and no head start hides that. The FP8 linears of a whole layer are also captured in one CUDA graph
-(several layer instances, distinct weight copies) and replayed: the time a decode step spends in
-them, against the layer's memory limit.
+(several layer instances, distinct weight copies) and replayed, the projections of one input paired
+as the model runs them (``kernel_inputs.LAYER_PAIRS``: ``wq_a`` with ``wkv``, ``wq_b`` with the
+indexer's, the shared ``w1`` with ``w3``): the time a decode step spends in them, against the layer's
+memory limit.
 
 Correctness: every Triton result is compared with the reference's at the same shape (max abs
 difference over max |reference|); where the reference is skipped, with the reference on a subset
@@ -102,8 +104,9 @@ from benchmarks.device_limits import STARTED, MB, Ceilings, Timer, Timing, log, 
 from benchmarks.kernel_tune import run_tune, tune_markdown  # noqa: E402
 from benchmarks.kernel_checks import (CorrectnessError, check, check_rows, input_sets, limit_of,  # noqa: E402
                                       linear_bytes, rel_err, us)
-from benchmarks.kernel_inputs import (FLASH, TINY, LinearSpec, Shapes, fp4_stack, linear_specs,  # noqa: E402
-                                      random_routing, torch_grouped, torch_linear, torch_moe, weight_copies)
+from benchmarks.kernel_inputs import (FLASH, TINY, LinearSpec, Shapes, fp4_stack, layer_calls,  # noqa: E402
+                                      linear_specs, random_routing, torch_grouped, torch_linear, torch_moe,
+                                      weight_copies)
 from benchmarks.kernel_report import GB, Row, env_info, markdown, progress_line  # noqa: E402
 
 DECODE_MAX_M = 256
@@ -353,25 +356,22 @@ class Bench:
     # ------------------------------------------------------------ one layer's FP8 linears, one graph
     def run_layer_graph(self, m: int) -> dict:
         dev, instances = self.device, self.args.graph_layers
-        calls = []  # (fn, x, w) per linear per layer instance
+        calls = []  # (names, input, call) per projection or pair of one input, per layer instance
         for layer in range(instances):
-            for spec in self.specs:
-                ws = self.weights[spec.name]
-                shape = (m, spec.groups, spec.k) if spec.groups > 1 else (m, spec.k)
-                x = torch.randn(shape, device=dev, generator=self.gen).to(torch.bfloat16)
-                fn = self.tk.grouped_dequantized_linear if spec.groups > 1 else self.tk.quantized_linear
-                calls.append((fn, x, ws[layer % len(ws)]))
+            calls += layer_calls(self.specs, lambda name: self.weights[name][layer % len(self.weights[name])],
+                                 self.tk, m, self.gen, dev)
+        names = [name for group, _, _ in calls for name in group]
 
         def run_all():
-            return [fn(x, w) for fn, x, w in calls]
+            return [out for _, _, call in calls for out in call()]
 
         eager = run_all()  # also compiles and allocates outside the capture
         graph, captured = capture_on_this_stream(run_all)
         graph.replay()
         torch.cuda.synchronize()
-        for (out, ref), spec in zip(zip(captured, eager), self.specs * instances):
+        for out, ref, name in zip(captured, eager, names, strict=True):
             if not torch.equal(out, ref):
-                raise CorrectnessError(f"{spec.name} at M={m}: CUDA graph replay differs from the eager call")
+                raise CorrectnessError(f"{name} at M={m}: CUDA graph replay differs from the eager call")
         t = self.timer.measure(lambda i: graph.replay(), *self.budget_fast)
         per_layer = t.median_s / instances
         mem_s = flop_s = limit_s = 0.0

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -38,3 +39,35 @@ def test_kernel_benchmark_and_tile_sweep_run_on_the_tiny_shapes(tmp_path):
     for key in (("attn.wkv", 65, "bf16"), ("moe.experts", 1, "moe"), ("moe.experts", 65, "moe")):  # batch invariant
         assert all(c["bitwise_equal_to_default"] for c in tuned[key]["configs"]), key
     assert "Best single config per M" in done.stdout
+
+
+def test_layer_graph_calls_the_projections_of_one_input_together():
+    """The layer's CUDA graph runs the FP8 projections as the model does: each pair of one input
+    (``LAYER_PAIRS``) in one call, every projection exactly once, the pairs' outputs those of the
+    projections alone (the reference arithmetic: bit for bit)."""
+    from benchmarks.kernel_inputs import LAYER_PAIRS, TINY, layer_calls, linear_specs
+    from model.config import WeightFormat
+    from model.kernels.reference import ReferenceKernels
+    from tests.test_triton_kernels import random_weight
+
+    specs = linear_specs(TINY)
+    gen = torch.Generator().manual_seed(0)
+    weights = {s.name: random_weight(WeightFormat.FP8, s.groups * s.n, s.k, gen) for s in specs}
+    kernels = ReferenceKernels(batch_invariant=False)
+    calls = layer_calls(specs, weights.__getitem__, kernels, 2, torch.Generator().manual_seed(1), torch.device("cpu"))
+    groups = [names for names, _, _ in calls]
+    assert set(LAYER_PAIRS) <= set(groups)
+    assert sorted(name for names in groups for name in names) == sorted(s.name for s in specs)
+    alone = layer_calls([s for s in specs if s.name != "attn.wkv"], weights.__getitem__, kernels, 2,
+                        torch.Generator().manual_seed(1), torch.device("cpu"))
+    assert ("attn.wq_a",) in [names for names, _, _ in alone]  # its partner absent: called alone
+    by_name = {s.name: s for s in specs}
+    for names, x, call in calls:
+        outs = call()
+        assert len(outs) == len(names)
+        for name, out in zip(names, outs):
+            spec = by_name[name]
+            assert out.shape[0] == 2 and out.shape[-1] == spec.n
+        if len(names) == 2:
+            for name, out in zip(names, outs):
+                assert torch.equal(out, kernels.quantized_linear(x, weights[name]))

@@ -8,8 +8,9 @@ Why: ``triton_gemv`` expands every weight byte to fp32 and multiplies on the CUD
 instructions per weight byte and thread. An H200 must take ~16 weight bytes per SM and cycle from
 HBM to run at its bandwidth, so that loop is bound by instruction issue (docs/benchmarks.md). One
 ``mma.sync.m16n8k16`` takes a 16 x 16 tile of weight, 8 bytes from each of a warp's 32 lanes, as f16
-operands: per 8 weight bytes a lane spends two loads' worth of bytes, four conversions (a pair of e4m3
-bytes to a pair of f16 is one instruction) and one tensor-core instruction. The product's 8 token
+operands: per 8 weight bytes (one load) a lane spends four conversions (a pair of e4m3 bytes to a
+pair of f16 is one instruction) and one tensor-core instruction, ~1.9 instructions per weight byte
+in the loop against ~4.9 (both compiled for sm_90; docs/benchmarks.md). The product's 8 token
 columns hold up to 8 tokens; at one token the other 7 multiply zeros, which costs nothing extra.
 
 Fragments without a shuffle. A warp owns 32 weight rows (one row of 32x32 scale tiles, so one weight
@@ -23,8 +24,8 @@ slots 2t, 2t+1 by one conversion, the high two slots 2t+8, 2t+9, and B is token 
 the same columns, loaded as it lies in memory.
 
 The activation: each program first writes its K range of the activation to a scratch area of its
-own, as f16 values and an fp32 scale per token and 32-column block (a tile of at least two tokens,
-absent ones zero, so that every lane's pair of token scales exists). With ``quantize`` that is the
+own, as f16 values and an fp32 scale per token and 32-column block (the scales of at least two
+tokens, so that every lane's pair of token scales exists). With ``quantize`` that is the
 reference's FP8 round trip per 32 (``act_quant``: e4m3 values are exact in f16, the scale is their
 power of two); without, the bf16 values times the power of two that puts the block's largest just
 below 2**16 (exact for every value down to 2**-32 of the block's largest; a smaller one is rounded,
