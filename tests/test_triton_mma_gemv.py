@@ -134,7 +134,15 @@ def test_backend_takes_it_up_to_its_token_count(monkeypatch):
     calls.clear()
     kernels.quantized_linear(x, weights[0])  # 4 tokens: the decode form
     TritonKernels(batch_invariant=True).quantized_linear(x[:1], weights[0])
+    # a weight whose bytes start off an 8-byte boundary (a view into a larger buffer): the other forms
+    buffer = torch.empty(64 * 256 + 4, dtype=torch.uint8, device=device())
+    shifted = buffer[4:].view(64, 256)
+    shifted.copy_(weights[0].values.view(torch.uint8))
+    unaligned = type(weights[0])(shifted.view(weights[0].values.dtype), weights[0].scales, weights[0].fmt)
     assert calls == []
+    got = kernels.quantized_linear(x[:2], unaligned)
+    assert calls == []
+    assert_close_to_reference(got.cpu(), REFERENCE.quantized_linear(x[:2], weights[0]).cpu())
 
 
 def test_rejects_what_it_does_not_compute():
@@ -146,6 +154,9 @@ def test_rejects_what_it_does_not_compute():
     with pytest.raises(ValueError, match="K = 96"):
         fp8_mma_gemv(torch.zeros(1, 96, dtype=torch.bfloat16, device=device()), [(w.values, w.scales)],
                      quantize=True)
+    shifted = torch.empty(64 * 128 + 4, dtype=torch.uint8, device=device())[4:].view(64, 128)
+    with pytest.raises(ValueError, match="8-byte aligned"):
+        fp8_mma_gemv(torch.zeros(1, 128, dtype=torch.bfloat16, device=device()), [(shifted, w.scales)], quantize=True)
     assert triton_gemv.fits is triton_mma_gemv.fits  # one rule for both matrix-vector kernels
 
 

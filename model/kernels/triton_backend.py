@@ -69,7 +69,8 @@ class TritonKernels(KernelBackend):
         if self.batch_invariant or m < 1 or not all(
                 w.fmt is WeightFormat.FP8 and triton_gemv.fits(w.values, w.scales) for w in weights):
             return None
-        if m <= min(tile_configs.MMA_GEMV_MAX_TOKENS, triton_mma_gemv.MAX_TOKENS):
+        if m <= min(tile_configs.MMA_GEMV_MAX_TOKENS, triton_mma_gemv.MAX_TOKENS) and all(
+                w.values.data_ptr() % 8 == 0 for w in weights):  # (8-byte loads; a view may start anywhere)
             return triton_mma_gemv.fp8_mma_gemv
         return triton_gemv.fp8_gemv if m <= triton_gemv.MAX_TOKENS else None
 
