@@ -20,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -190,15 +191,16 @@ def main() -> int:
                   aligned=("x_ptr", "w_ptr", "s_ptr", "w2_ptr", "s2_ptr", "out_ptr", "part_ptr", "K", "k_per_split",
                            "stride_os"),
                   spill_free=True)
-    for _, cfg in tile_configs._MMA_GEMV_TABLE:
+    two_blocks = [replace(cfg, block_k=64) for _, cfg in tile_configs._MMA_GEMV_TABLE[:1]]  # the sweep's other step
+    for cfg in [cfg for _, cfg in tile_configs._MMA_GEMV_TABLE] + two_blocks:
         for tokens, quantize, partial in ((2, True, True), (2, True, False), (8, True, True), (2, False, True)):
             check(f"fp8_mma_gemv tokens={tokens} quantize={quantize} partial={partial} {cfg}",
                   triton_mma_gemv._fp8_mma_gemv_kernel,
                   {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "w2_ptr": "*u8", "s2_ptr": "*u8",
                    "out_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32", "act_ptr": "*fp16",
                    "act_scale_ptr": "*fp32", **scalars("M N N2 stride_x k_per_split splits width")},
-                  {"K": 5120, "TOKENS": tokens, "WARPS": cfg.num_warps, "QUANTIZE": quantize, "PARTIAL": partial,
-                   "INTERPRETED": False}, cfg, wgmma=False,
+                  {"K": 5120, "TOKENS": tokens, "WARPS": cfg.num_warps, "STEP_BLOCKS": cfg.block_k // 32,
+                   "QUANTIZE": quantize, "PARTIAL": partial, "INTERPRETED": False}, cfg, wgmma=False,
                   aligned=("x_ptr", "w_ptr", "s_ptr", "w2_ptr", "s2_ptr", "out_ptr", "part_ptr", "act_ptr",
                            "act_scale_ptr", "N", "N2", "stride_x", "k_per_split", "width"),
                   spill_free=True,

@@ -28,21 +28,25 @@ from tests.test_triton_kernels import assert_close_to_reference, random_weight  
 REFERENCE = ReferenceKernels(batch_invariant=False)
 
 
-def _config(monkeypatch, warps: int, programs_per_sm: int, max_splits: int = 64, sms: int = 132) -> None:
-    cfg = tile_configs.DecodeConfig(32 * warps, 32, warps, 1, programs_per_sm, max_splits=max_splits)
+def _config(monkeypatch, warps: int, programs_per_sm: int, max_splits: int = 64, sms: int = 132,
+            step_blocks: int = 1) -> None:
+    cfg = tile_configs.DecodeConfig(32 * warps, 32 * step_blocks, warps, 1, programs_per_sm, max_splits=max_splits)
     monkeypatch.setattr(tile_configs, "_MMA_GEMV_TABLE", ((8, cfg),))
     monkeypatch.setattr(triton_mma_gemv, "sm_count", lambda device: sms)
 
 
-@pytest.mark.parametrize("m,n,k,warps,programs_per_sm,max_splits", [
-    (1, 64, 256, 2, 1, 64),  # one split: the bf16 output stored by the lanes themselves
-    (1, 96, 320, 2, 64, 64),  # every block a split; the second program's second warp past the last row
-    (3, 128, 384, 4, 64, 5),  # an odd token count, splits of 3 blocks and a last one of 0..
-    (8, 160, 256, 1, 4, 3),  # every token column in use, one warp per program, splits of 3, 3 and 2
-    (5, 32, 96, 1, 1, 64),  # three blocks, one warp, one split
+@pytest.mark.parametrize("m,n,k,warps,programs_per_sm,max_splits,step_blocks", [
+    (1, 64, 256, 2, 1, 64, 1),  # one split: the bf16 output stored by the lanes themselves
+    (1, 96, 320, 2, 64, 64, 1),  # every block a split; the second program's second warp past the last row
+    (3, 128, 384, 4, 64, 5, 1),  # an odd token count, splits of 3, 3, 3, 3 blocks
+    (8, 160, 256, 1, 4, 3, 1),  # every token column in use, one warp per program, splits of 3, 3 and 2
+    (5, 32, 96, 1, 1, 64, 1),  # three blocks, one warp, one split
+    (1, 64, 384, 2, 1, 64, 2),  # two blocks per step: 6 steps in one split
+    (2, 96, 640, 1, 64, 3, 2),  # two blocks per step, splits of 4, 4 and 2 steps
+    (1, 64, 96, 2, 4, 64, 2),  # K of three blocks: one block per step after all
 ])
-def test_one_weight_matches_reference(monkeypatch, m, n, k, warps, programs_per_sm, max_splits):
-    _config(monkeypatch, warps, programs_per_sm, max_splits)
+def test_one_weight_matches_reference(monkeypatch, m, n, k, warps, programs_per_sm, max_splits, step_blocks):
+    _config(monkeypatch, warps, programs_per_sm, max_splits, step_blocks=step_blocks)
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     weight = random_weight(WeightFormat.FP8, n, k, gen)
     # token scales spread over 2**-6 .. 2**6 (each row's own), e4m3 subnormals in every block

@@ -135,7 +135,8 @@ def gemv_config(m: int) -> DecodeConfig:
 MMA_GEMV_MAX_TOKENS = 0
 
 # (largest M, config): ``triton_mma_gemv``. ``block_w`` is the program's weight rows (32 per warp,
-# ``num_warps`` warps), ``block_k`` the 32-column step its splits are whole multiples of. A starting
+# ``num_warps`` warps), ``block_k`` its loop step, one or two 32-column blocks (its splits are whole
+# steps). A starting
 # point for the sweep: a warp keeps one 1 KB block of loads in flight, and an H200 SM needs ~25 KB in
 # flight to stream at full bandwidth, so enough splits for 8 programs of 4 warps per SM (44 registers
 # per thread: they all fit)

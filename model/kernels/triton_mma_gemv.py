@@ -14,7 +14,8 @@ in the loop against ~4.9 (both compiled for sm_90; docs/benchmarks.md). The prod
 columns hold up to 8 tokens; at one token the other 7 multiply zeros, which costs nothing extra.
 
 Fragments without a shuffle. A warp owns 32 weight rows (one row of 32x32 scale tiles, so one weight
-scale per step) and walks its K range one 32-column scale block per step. Lane ``l`` (``g = l // 4``,
+scale per block) and walks its K range one 32-column scale block at a time (one or two per loop
+step: ``block_k`` of the config; two hold twice the loads in flight for ~20% more registers). Lane ``l`` (``g = l // 4``,
 ``t = l % 4``) loads 8 bytes of each of its rows g, g+8, g+16 and g+24 at columns 8t..8t+7 of the
 block. The m16n8k16 A fragment gives lane (g, t) rows g and g+8 at K slots 2t, 2t+1, 2t+8 and 2t+9,
 and its B fragment token g at the same four slots. A product does not care which column a K slot
@@ -53,6 +54,7 @@ depends on the shape): used outside ``--batch-invariant`` only.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -161,6 +163,27 @@ def _emulated_product(w, x_lo, x_hi, THREADS: tl.constexpr):
 
 
 @triton.jit
+def _load_block(w_words, x_words, scale_words, w_exps, b, K: tl.constexpr, TOKENS: tl.constexpr):
+    """Block ``b`` (counted from the pointers) of a lane's operands: the 8 weight bytes of each of its
+    rows g, g + 8, g + 16, g + 24 (K words apart), token g's activation (two loads), the scales of
+    tokens 2t and 2t + 1, and the weight's scale exponent."""
+    w = w_words + b * 4
+    x = x_words + b * (TOKENS * 8)
+    return (tl.load(w), tl.load(w + K), tl.load(w + 2 * K), tl.load(w + 3 * K), tl.load(x), tl.load(x + 1),
+            tl.load(scale_words + b * (TOKENS // 2)), tl.load(w_exps + b).to(tl.int32))
+
+
+@triton.jit
+def _add_block(sums, block, INTERPRETED: tl.constexpr):
+    """A block's products added to a lane's eight sums (``_load_block``'s rows x tokens 2t, 2t + 1)."""
+    a0, a1, a2, a3, b0, b1, b2, b3 = sums
+    w0, w1, w2, w3, x_lo, x_hi, a_scales, w_exp = block
+    a0, a1, a2, a3 = _group_step(a0, a1, a2, a3, w0, w1, x_lo, x_hi, a_scales, w_exp, INTERPRETED)
+    b0, b1, b2, b3 = _group_step(b0, b1, b2, b3, w2, w3, x_lo, x_hi, a_scales, w_exp, INTERPRETED)
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
+@triton.jit
 def _f16_blocks(g):
     """bf16 values as fp32 ``[..., 32]`` -> (f16-ready values ``[..., 32]``, scales ``[...]``): each
     block times the power of two that puts its largest magnitude in [2**15, 2**16)."""
@@ -174,11 +197,12 @@ def _f16_blocks(g):
 @triton.jit
 def _fp8_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counter_ptr, act_ptr,
                          act_scale_ptr, M, N, N2, stride_x, k_per_split, splits, width,
-                         K: tl.constexpr, TOKENS: tl.constexpr, WARPS: tl.constexpr, QUANTIZE: tl.constexpr,
+                         K: tl.constexpr, TOKENS: tl.constexpr, WARPS: tl.constexpr, STEP_BLOCKS: tl.constexpr,
+                         QUANTIZE: tl.constexpr,
                          PARTIAL: tl.constexpr, INTERPRETED: tl.constexpr):
     pid_w, split, group = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     TILE: tl.constexpr = 32 * WARPS  # weight rows per program
-    STEP_BLOCKS: tl.constexpr = 4  # scale blocks per step of the activation's preparation
+    PREP_BLOCKS: tl.constexpr = 4  # scale blocks per step of the activation's preparation
     # the first weight's row tiles, then the second's (its outputs follow the first's columns)
     tiles = tl.cdiv(N, TILE)
     if pid_w < tiles:
@@ -197,15 +221,15 @@ def _fp8_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr,
     act_ptr += program * (k_per_split // 32) * TOKENS * 32
     act_scale_ptr += program * (k_per_split // 32) * TOKENS
     tokens = tl.arange(0, TOKENS)
-    step_blocks = tl.arange(0, STEP_BLOCKS)
+    prep_blocks = tl.arange(0, PREP_BLOCKS)
     columns = tl.arange(0, 32)
-    for b0 in range(0, blocks, STEP_BLOCKS):
-        block = b0 + step_blocks  # [STEP_BLOCKS], local to the split
+    for b0 in range(0, blocks, PREP_BLOCKS):
+        block = b0 + prep_blocks  # [PREP_BLOCKS], local to the split
         cols = k_begin + block[:, None] * 32 + columns[None, :]
         valid = (tokens < M)[:, None, None] & (block < blocks)[None, :, None]
         x = tl.load(x_ptr + tokens[:, None, None] * stride_x + cols[None], mask=valid, other=0.0).to(tl.float32)
         if QUANTIZE:
-            values, act_scale = quantize_blocks(x)  # [TOKENS, STEP_BLOCKS, 32], [TOKENS, STEP_BLOCKS]
+            values, act_scale = quantize_blocks(x)  # [TOKENS, PREP_BLOCKS, 32], [TOKENS, PREP_BLOCKS]
         else:
             values, act_scale = _f16_blocks(x)
         tl.store(act_ptr + (block[None, :, None] * TOKENS + tokens[:, None, None]) * 32 + columns[None, None, :],
@@ -229,29 +253,29 @@ def _fp8_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr,
     x_words = act_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + tl.minimum(g, M - 1) * 8 + 2 * t
     scale_words = act_scale_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + tl.minimum(t, TOKENS // 2 - 1)
     w_exps = scales + first_row // 32 * (K // 32) + k_begin // 32 + tl.zeros_like(lane)
-    # running sums of rows g, g + 8 (a) and g + 16, g + 24 (b) x tokens 2t, 2t + 1. Every load is
-    # issued one block before its use; the pointers walk one block per step (the last block, peeled
-    # off, loads nothing ahead)
+    # running sums of rows g, g + 8 (a) and g + 16, g + 24 (b) x tokens 2t, 2t + 1, STEP_BLOCKS blocks
+    # per loop step. Every load is issued one step before its use; the pointers walk one step at a
+    # time (the last step, peeled off, loads nothing ahead; with one block per step the second block
+    # of a step is the first, loaded once)
     zero = tl.zeros((32 * WARPS,), dtype=tl.float32)
-    a0, a1, a2, a3, b0, b1, b2, b3 = zero, zero, zero, zero, zero, zero, zero, zero
-    w0, w1, w2, w3 = tl.load(w_words), tl.load(w_words + K), tl.load(w_words + 2 * K), tl.load(w_words + 3 * K)
-    x_lo, x_hi, a_scales = tl.load(x_words), tl.load(x_words + 1), tl.load(scale_words)  # (scales of 2t, 2t + 1)
-    w_exp = tl.load(w_exps).to(tl.int32)
-    for _ in range(1, blocks):
-        w_words += 4
-        x_words += TOKENS * 8
-        scale_words += TOKENS // 2
-        w_exps += 1
-        w0_next, w1_next = tl.load(w_words), tl.load(w_words + K)
-        w2_next, w3_next = tl.load(w_words + 2 * K), tl.load(w_words + 3 * K)
-        x_lo_next, x_hi_next, a_scales_next = tl.load(x_words), tl.load(x_words + 1), tl.load(scale_words)
-        w_exp_next = tl.load(w_exps).to(tl.int32)
-        a0, a1, a2, a3 = _group_step(a0, a1, a2, a3, w0, w1, x_lo, x_hi, a_scales, w_exp, INTERPRETED)
-        b0, b1, b2, b3 = _group_step(b0, b1, b2, b3, w2, w3, x_lo, x_hi, a_scales, w_exp, INTERPRETED)
-        w0, w1, w2, w3 = w0_next, w1_next, w2_next, w3_next
-        x_lo, x_hi, a_scales, w_exp = x_lo_next, x_hi_next, a_scales_next, w_exp_next
-    a0, a1, a2, a3 = _group_step(a0, a1, a2, a3, w0, w1, x_lo, x_hi, a_scales, w_exp, INTERPRETED)
-    b0, b1, b2, b3 = _group_step(b0, b1, b2, b3, w2, w3, x_lo, x_hi, a_scales, w_exp, INTERPRETED)
+    sums = (zero, zero, zero, zero, zero, zero, zero, zero)
+    first = _load_block(w_words, x_words, scale_words, w_exps, 0, K, TOKENS)
+    second = _load_block(w_words, x_words, scale_words, w_exps, STEP_BLOCKS - 1, K, TOKENS)
+    for _ in range(STEP_BLOCKS, blocks, STEP_BLOCKS):
+        w_words += 4 * STEP_BLOCKS
+        x_words += TOKENS * 8 * STEP_BLOCKS
+        scale_words += TOKENS // 2 * STEP_BLOCKS
+        w_exps += STEP_BLOCKS
+        next_first = _load_block(w_words, x_words, scale_words, w_exps, 0, K, TOKENS)
+        next_second = _load_block(w_words, x_words, scale_words, w_exps, STEP_BLOCKS - 1, K, TOKENS)
+        sums = _add_block(sums, first, INTERPRETED)
+        if STEP_BLOCKS == 2:
+            sums = _add_block(sums, second, INTERPRETED)
+        first, second = next_first, next_second
+    sums = _add_block(sums, first, INTERPRETED)
+    if STEP_BLOCKS == 2:
+        sums = _add_block(sums, second, INTERPRETED)
+    a0, a1, a2, a3, b0, b1, b2, b3 = sums
 
     # 3. each lane's eight sums to their places: [splits, M, width] fp32 partials or the bf16 output
     token = 2 * t
@@ -308,9 +332,11 @@ def fp8_mma_gemv(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Te
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = mma_gemv_config(m)
-    if cfg.block_w != ROWS_PER_WARP * cfg.num_warps or cfg.block_k % BLOCK:
-        raise ValueError(f"a triton_mma_gemv config has {ROWS_PER_WARP} rows per warp and whole {BLOCK}-column "
-                         f"steps, got {cfg}")
+    if cfg.block_w != ROWS_PER_WARP * cfg.num_warps or cfg.block_k not in (BLOCK, 2 * BLOCK):
+        raise ValueError(f"a triton_mma_gemv config has {ROWS_PER_WARP} rows per warp and steps of one or two "
+                         f"{BLOCK}-column blocks, got {cfg}")
+    if k % cfg.block_k:  # whole steps in every split
+        cfg = dataclasses.replace(cfg, block_k=BLOCK)
     splits, k_per_split = split_count(cfg, n + n2, k, groups, sm_count(x.device))
     tiles = triton.cdiv(n, cfg.block_w) + triton.cdiv(n2, cfg.block_w)
     width = groups * n + n2
@@ -325,5 +351,6 @@ def fp8_mma_gemv(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Te
     _fp8_mma_gemv_kernel[(tiles, splits, groups)](
         x, w, s, w2, s2, out, partials, split_counters(x.device, tiles * groups), act, act_scales,
         m, n, n2, x.stride(0), k_per_split, splits, width, K=k, TOKENS=tokens, WARPS=cfg.num_warps,
+        STEP_BLOCKS=cfg.block_k // BLOCK,
         QUANTIZE=quantize, PARTIAL=splits > 1, INTERPRETED=INTERPRETED, num_warps=cfg.num_warps)
     return out
