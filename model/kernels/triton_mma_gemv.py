@@ -69,7 +69,7 @@ from .triton_split_sums import last_to_arrive, reset_counter, split_counters, su
 
 MAX_TOKENS = 8  # the token columns of one tensor-core product
 ROWS_PER_WARP = 32  # one row of the weight's 32x32 scale tiles
-BLOCK = 32  # K columns per step: one scale block
+BLOCK = 32  # K columns of one scale block (a loop step takes one or two)
 
 
 @triton.jit
