@@ -61,7 +61,7 @@ from engine_core.protocol import SamplingParams  # noqa: E402
 from frontend.llm import LLM  # noqa: E402
 from model.cache_formats import COMPRESSED_KV, INDEX_KEYS, WINDOW_KV  # noqa: E402
 from model.config import V41Config  # noqa: E402
-from model.kernels import tile_configs  # noqa: E402
+from model.kernels import tile_configs, triton_mma_gemv  # noqa: E402
 from model.loader import checkpoint_bytes, held_weight_bytes  # noqa: E402
 from model.weight_spec import checkpoint_tensors  # noqa: E402
 
@@ -296,7 +296,7 @@ def main() -> int:
     parser.add_argument("--kernels", default="triton,triton-eager,reference",
                         help="backends to run; suffixes: -bi turns --batch-invariant on, -eager turns CUDA graphs "
                              "off (--enforce-eager), -nozos zero-overhead scheduling off (--no-zos), -tc the FP8 "
-                             "products of up to 8 tokens onto the tensor-core matrix-vector kernel (triton_mma_gemv; "
+                             "products of 1-8 tokens onto the tensor-core matrix-vector kernel (triton_mma_gemv; "
                              "in-process engine only) for that run")
     parser.add_argument("--batch", default="1,8,32,128,256", help="sequences per DP rank")
     parser.add_argument("--dp", type=int, default=1,
@@ -339,7 +339,8 @@ def main() -> int:
         batch_invariant, eager, zos = "bi" in suffixes, "eager" in suffixes, "nozos" not in suffixes
         if "tc" in suffixes and args.dp != 1:
             parser.error("-tc sets a tile table of this process: it needs the in-process engine (--dp 1)")
-        tile_configs.MMA_GEMV_MAX_TOKENS = 8 if "tc" in suffixes else default_tensor_core_tokens
+        tensor_core_tokens = triton_mma_gemv.MAX_TOKENS if "tc" in suffixes else default_tensor_core_tokens
+        tile_configs.MMA_GEMV_MAX_TOKENS = tensor_core_tokens
         runnable = [b for b in batches if kernels != "reference" or b <= args.reference_max_batch]
         if not runnable:
             continue

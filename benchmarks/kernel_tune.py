@@ -137,7 +137,7 @@ def _sweep(bench, name, m, limit_s, default, cfgs, table, call, budget) -> None:
 @contextlib.contextmanager
 def override_tables(moe=None, decode=None, fp8_decode=None, bf16=None, gemv=None, mma_gemv=None):
     """Every M takes ``moe`` / ``decode`` / ``fp8_decode`` / ``bf16`` / ``gemv`` / ``mma_gemv`` while inside
-    (the tables are read at each call); ``mma_gemv`` also turns the tensor-core form on up to 8 tokens."""
+    (the tables are read at each call); ``mma_gemv`` also turns the tensor-core form on for every M it takes."""
     tables = _tables()
     names = {"moe": "_MOE_TABLE", "decode": "_DECODE_MM_TABLE", "fp8_decode": "_FP8_DECODE_TABLE",
              "bf16": "_BF16_MM_TABLE", "gemv": "_GEMV_TABLE", "mma_gemv": "_MMA_GEMV_TABLE"}
@@ -149,7 +149,9 @@ def override_tables(moe=None, decode=None, fp8_decode=None, bf16=None, gemv=None
             if cfg is not None:
                 setattr(tables, names[key], ((1 << 62, cfg),))
         if mma_gemv is not None:
-            tables.MMA_GEMV_MAX_TOKENS = 8
+            from model.kernels import triton_mma_gemv  # (imported late, as in _tables)
+
+            tables.MMA_GEMV_MAX_TOKENS = triton_mma_gemv.MAX_TOKENS
         yield
     finally:
         for attr, table in saved.items():

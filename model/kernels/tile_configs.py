@@ -136,10 +136,9 @@ MMA_GEMV_MAX_TOKENS = 0
 
 # (largest M, config): ``triton_mma_gemv``. ``block_w`` is the program's weight rows (32 per warp,
 # ``num_warps`` warps), ``block_k`` its loop step, one or two 32-column blocks (its splits are whole
-# steps). A starting
-# point for the sweep: a warp keeps one 1 KB block of loads in flight, and an H200 SM needs ~25 KB in
-# flight to stream at full bandwidth, so enough splits for 8 programs of 4 warps per SM (44 registers
-# per thread: they all fit)
+# steps). A starting point for the sweep: with one block per step a warp keeps 1 KB of loads in
+# flight, and an H200 SM needs ~25 KB in flight to stream at full bandwidth, so enough splits for 8
+# programs of 4 warps per SM (54 registers per thread under the GPU's Triton 3.6: 9 such programs fit)
 _MMA_GEMV_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
     (8, DecodeConfig(128, 32, 4, 1, 8)),
 )

@@ -15,14 +15,14 @@ columns hold up to 8 tokens; at one token the other 7 multiply zeros, which cost
 
 Fragments without a shuffle. A warp owns 32 weight rows (one row of 32x32 scale tiles, so one weight
 scale per block) and walks its K range one 32-column scale block at a time (one or two per loop
-step: ``block_k`` of the config; two hold twice the loads in flight for ~20% more registers). Lane ``l`` (``g = l // 4``,
-``t = l % 4``) loads 8 bytes of each of its rows g, g+8, g+16 and g+24 at columns 8t..8t+7 of the
-block. The m16n8k16 A fragment gives lane (g, t) rows g and g+8 at K slots 2t, 2t+1, 2t+8 and 2t+9,
-and its B fragment token g at the same four slots. A product does not care which column a K slot
-stands for as long as A and B agree, so lane t's slots stand for its own columns 8t..8t+3 in the
-block's first product and 8t+4..8t+7 in its second: the low two bytes of each loaded word become
-slots 2t, 2t+1 by one conversion, the high two slots 2t+8, 2t+9, and B is token g's activation at
-the same columns, loaded as it lies in memory.
+step: ``block_k`` of the config; two hold twice the loads in flight for ~1.5x the registers). Lane
+``l`` (``g = l // 4``, ``t = l % 4``) loads 8 bytes of each of its rows g, g+8, g+16 and g+24 at
+columns 8t..8t+7 of the block. The m16n8k16 A fragment gives lane (g, t) rows g and g+8 at K slots
+2t, 2t+1, 2t+8 and 2t+9, and its B fragment token g at the same four slots. A product does not care
+which column a K slot stands for as long as A and B agree, so lane t's slots stand for its own
+columns 8t..8t+3 in the block's first product and 8t+4..8t+7 in its second: the low two bytes of
+each loaded word become slots 2t, 2t+1 by one conversion, the high two slots 2t+8, 2t+9, and B is
+token g's activation at the same columns, loaded as it lies in memory.
 
 The activation: each program first writes its K range of the activation to a scratch area of its
 own, as f16 values and an fp32 scale per token and 32-column block (the scales of at least two
