@@ -296,8 +296,10 @@ def main() -> int:
     parser.add_argument("--kernels", default="triton,triton-eager,reference",
                         help="backends to run; suffixes: -bi turns --batch-invariant on, -eager turns CUDA graphs "
                              "off (--enforce-eager), -nozos zero-overhead scheduling off (--no-zos), -tc the FP8 "
-                             "products of 1-8 tokens onto the tensor-core matrix-vector kernel (triton_mma_gemv; "
-                             "in-process engine only) for that run")
+                             "products of 1-8 tokens onto the tensor-core matrix-vector kernel (triton_mma_gemv), "
+                             "-tcx the routed experts of steps with at most 8 pairs per expert on average onto "
+                             "the tensor cores fed from registers (triton_mma_experts; both: in-process engine "
+                             "only) for that run")
     parser.add_argument("--batch", default="1,8,32,128,256", help="sequences per DP rank")
     parser.add_argument("--dp", type=int, default=1,
                         help="data-parallel ranks (one GPU each, experts sharded): batch sizes are per rank")
@@ -334,13 +336,15 @@ def main() -> int:
     batches = [int(b) for b in args.batch.split(",")]
     rows = []
     default_tensor_core_tokens = tile_configs.MMA_GEMV_MAX_TOKENS
+    default_tensor_core_pairs = tile_configs.MMA_EXPERTS_MAX_PAIRS
     for variant in args.kernels.split(","):
         kernels, *suffixes = variant.split("-")
         batch_invariant, eager, zos = "bi" in suffixes, "eager" in suffixes, "nozos" not in suffixes
-        if "tc" in suffixes and args.dp != 1:
-            parser.error("-tc sets a tile table of this process: it needs the in-process engine (--dp 1)")
-        tensor_core_tokens = triton_mma_gemv.MAX_TOKENS if "tc" in suffixes else default_tensor_core_tokens
-        tile_configs.MMA_GEMV_MAX_TOKENS = tensor_core_tokens
+        if ("tc" in suffixes or "tcx" in suffixes) and args.dp != 1:
+            parser.error("-tc and -tcx set tile tables of this process: they need the in-process engine (--dp 1)")
+        tile_configs.MMA_GEMV_MAX_TOKENS = (triton_mma_gemv.MAX_TOKENS if "tc" in suffixes
+                                            else default_tensor_core_tokens)
+        tile_configs.MMA_EXPERTS_MAX_PAIRS = 8.0 if "tcx" in suffixes else default_tensor_core_pairs
         runnable = [b for b in batches if kernels != "reference" or b <= args.reference_max_batch]
         if not runnable:
             continue

@@ -32,7 +32,7 @@ def run_tune(bench, ms: list[int]) -> None:
     # (triton_bf16_mm, compared bit for bit). Experts: the weight rows stay on the tensor cores'
     # 64-row side (batch invariance) (outputs compared bit for bit).
     tables = _tables()
-    from model.kernels import triton_gemv, triton_mma_gemv  # (imported late, as in _tables)
+    from model.kernels import triton_gemv, triton_mma_experts, triton_mma_gemv  # (imported late, as in _tables)
     decode_cfgs = [tables.DecodeConfig(bw, bk, bw // 16, st, pps) for bw in (64, 128) for bk in (128, 256)
                    for st in (3, 4) for pps in (2, 4, 8)]
     # the FP8 linears' kernel (one scale block per step; block_k = 32, the unit of its splits)
@@ -50,6 +50,12 @@ def run_tune(bench, ms: list[int]) -> None:
                 for pps in (2, 4, 8, 16)]
     moe_cfgs = [tables.TileConfig(bm, bn, warps, st) for bm in (16, 32) for bn in (64, 128) for warps in (4, 8)
                 for st in (2, 3, 4)]
+    # the experts on the tensor cores fed from registers (triton_mma_experts, blocks of 8 pairs): 1-8 warps,
+    # 2-16 programs per SM before split-K stops; swept against whatever the backend uses now wherever a
+    # step has at most 8 pairs per expert on average, so the sweep is also the head-to-head that decides
+    # MMA_EXPERTS_MAX_PAIRS
+    mma_experts_cfgs = [tables.DecodeConfig(32 * warps, 64, warps, 1, pps) for warps in (1, 2, 4, 8)
+                        for pps in (2, 4, 8, 16)]
     # prefill: tens to hundreds of tokens per expert, wider token tiles for the tensor cores. 128 weight
     # rows and 8 warps only: at 8K tokens on one H200, 64 or 256 rows and 4 warps were 25-80% slower, and
     # the full grid (24 configs of two kernels, compiled in turn) did not finish in minutes
@@ -61,7 +67,7 @@ def run_tune(bench, ms: list[int]) -> None:
                     for warps in (4, 8) for st in (3, 4) if st * 64 * 2 * (bm + bn) <= 200 * 1024]
     if bench.args.tiny:
         decode_cfgs, moe_cfgs, fp8_cfgs = decode_cfgs[1::5], moe_cfgs[1::5], fp8_cfgs[1::5]  # the logic, not the numbers
-        gemv_cfgs, mma_cfgs = gemv_cfgs[1::5], mma_cfgs[1::5]
+        gemv_cfgs, mma_cfgs, mma_experts_cfgs = gemv_cfgs[1::5], mma_cfgs[1::5], mma_experts_cfgs[1::5]
         moe_prefill_cfgs, prefill_cfgs = moe_prefill_cfgs[1::5], prefill_cfgs[1::5]
     budget = (bench.budget_fast[0] * 0.4, bench.budget_fast[1], bench.budget_fast[2])
     for m in ms:
@@ -98,6 +104,9 @@ def run_tune(bench, ms: list[int]) -> None:
         default = tables.moe_config(pairs / bench.s.experts)
         _sweep(bench, "moe.experts", m, limit_s, default, moe_cfgs if m <= DECODE_MAX_M else moe_prefill_cfgs, "moe",
                lambda i: bench.tk.expert_outputs(*sets[i % len(sets)], bench.experts), budget)
+        if pairs <= triton_mma_experts.MAX_PAIRS * bench.s.experts and triton_mma_experts.takes(bench.experts):
+            _sweep(bench, "moe.experts", m, limit_s, default, mma_experts_cfgs, "mma_experts",
+                   lambda i: bench.tk.expert_outputs(*sets[i % len(sets)], bench.experts), budget)
         del sets
         bench._cleanup(big=False)
 
@@ -135,15 +144,18 @@ def _sweep(bench, name, m, limit_s, default, cfgs, table, call, budget) -> None:
 
 
 @contextlib.contextmanager
-def override_tables(moe=None, decode=None, fp8_decode=None, bf16=None, gemv=None, mma_gemv=None):
-    """Every M takes ``moe`` / ``decode`` / ``fp8_decode`` / ``bf16`` / ``gemv`` / ``mma_gemv`` while inside
-    (the tables are read at each call); ``mma_gemv`` also turns the tensor-core form on for every M it takes."""
+def override_tables(moe=None, decode=None, fp8_decode=None, bf16=None, gemv=None, mma_gemv=None, mma_experts=None):
+    """Every M takes ``moe`` / ``decode`` / ``fp8_decode`` / ``bf16`` / ``gemv`` / ``mma_gemv`` /
+    ``mma_experts`` while inside (the tables are read at each call); ``mma_gemv`` and ``mma_experts`` also
+    turn their tensor-core kernels on for every size they take."""
     tables = _tables()
     names = {"moe": "_MOE_TABLE", "decode": "_DECODE_MM_TABLE", "fp8_decode": "_FP8_DECODE_TABLE",
-             "bf16": "_BF16_MM_TABLE", "gemv": "_GEMV_TABLE", "mma_gemv": "_MMA_GEMV_TABLE"}
+             "bf16": "_BF16_MM_TABLE", "gemv": "_GEMV_TABLE", "mma_gemv": "_MMA_GEMV_TABLE",
+             "mma_experts": "_MMA_EXPERTS_TABLE"}
     chosen = {"moe": moe, "decode": decode, "fp8_decode": fp8_decode, "bf16": bf16, "gemv": gemv,
-              "mma_gemv": mma_gemv}
-    saved = {attr: getattr(tables, attr) for attr in [*names.values(), "MMA_GEMV_MAX_TOKENS"]}
+              "mma_gemv": mma_gemv, "mma_experts": mma_experts}
+    switches = ["MMA_GEMV_MAX_TOKENS", "MMA_EXPERTS_MAX_PAIRS"]
+    saved = {attr: getattr(tables, attr) for attr in [*names.values(), *switches]}
     try:
         for key, cfg in chosen.items():
             if cfg is not None:
@@ -152,6 +164,8 @@ def override_tables(moe=None, decode=None, fp8_decode=None, bf16=None, gemv=None
             from model.kernels import triton_mma_gemv  # (imported late, as in _tables)
 
             tables.MMA_GEMV_MAX_TOKENS = triton_mma_gemv.MAX_TOKENS
+        if mma_experts is not None:
+            tables.MMA_EXPERTS_MAX_PAIRS = float("inf")
         yield
     finally:
         for attr, table in saved.items():
@@ -178,7 +192,7 @@ def tune_markdown(bench) -> str:
                      f"| {e['limit_s'] / e['best_s']:.0%} |")
     # the tables are keyed by M only: the config with the least total time over the GEMMs of each M
     lines += ["", "Best single config per M and table (sum over its GEMMs: the FP8 linears, wo_a, the experts):", ""]
-    for table in ("gemv", "mma_gemv", "fp8_decode", "decode", "bf16", "moe"):
+    for table in ("gemv", "mma_gemv", "fp8_decode", "decode", "bf16", "moe", "mma_experts"):
         for m in sorted({e["m"] for e in bench.tune}):
             entries = [e for e in bench.tune if e["m"] == m and e["table"] == table]
             totals: dict[str, float] = {}

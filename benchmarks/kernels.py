@@ -77,6 +77,10 @@ the best config per (kernel, M) and the best single config per M (``benchmarks/k
 
 ``--tensor-core-tokens N`` lets the FP8 products of at most N tokens take ``triton_mma_gemv`` (the
 default is ``tile_configs.MMA_GEMV_MAX_TOKENS``): the same run with 0 and 8 compares the two.
+``--tensor-core-experts X`` lets the routed experts of at most X pairs per expert on average take
+``triton_mma_experts`` (default ``tile_configs.MMA_EXPERTS_MAX_PAIRS``); ``--kernels moe`` with 0 and 8
+compares the two at the decode sizes (uniform routing: 0.016 / 0.125 / 1 / 4 pairs per expert at
+M = 1 / 8 / 64 / 256).
 
 ``--batch-invariant`` measures the Triton backend's batch-invariant mode (every product in its
 prefill form) instead of the default (split-K decode form at M <= 64).
@@ -450,6 +454,10 @@ def parse_args(argv=None):
     p.add_argument("--tensor-core-tokens", type=int, default=None,
                    help="FP8 products of at most this many tokens take the tensor-core matrix-vector kernel "
                         "(triton_mma_gemv; 0: none; default: tile_configs.MMA_GEMV_MAX_TOKENS)")
+    p.add_argument("--tensor-core-experts", type=float, default=None,
+                   help="routed experts with at most this many pairs per expert on average take the tensor-core "
+                        "kernels fed from registers (triton_mma_experts; 0: none; default: "
+                        "tile_configs.MMA_EXPERTS_MAX_PAIRS)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.m is None:
@@ -479,6 +487,8 @@ def main(argv=None) -> int:
     _import_kernels()
     if args.tensor_core_tokens is not None:
         tile_configs.MMA_GEMV_MAX_TOKENS = args.tensor_core_tokens
+    if args.tensor_core_experts is not None:
+        tile_configs.MMA_EXPERTS_MAX_PAIRS = args.tensor_core_experts
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.cuda.set_stream(torch.cuda.Stream(device))  # one stream for everything, graphs included

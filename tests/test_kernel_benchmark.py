@@ -31,11 +31,13 @@ def test_kernel_benchmark_and_tile_sweep_run_on_the_tiny_shapes(tmp_path):
     assert all(r["rel_err"] is not None and r["rel_err"] <= 1e-2 for r in doc["results"])
     tuned = {(e["kernel"], e["m"], e["table"]): e for e in doc["tune"]}
     # the FP8 linear's one-token form at M = 1, swept again against the tensor-core form (which is not
-    # yet chosen by default); its prefill form above the decode form's 64 rows
+    # yet chosen by default); its prefill form above the decode form's 64 rows. The experts likewise at
+    # M = 1 (0.25 pairs per expert), not at 65 (16 per expert: past the tensor-core kernels' blocks of 8)
     assert set(tuned) == {("attn.wkv", 1, "gemv"), ("attn.wkv", 1, "mma_gemv"), ("attn.wkv", 65, "bf16"),
-                          ("moe.experts", 1, "moe"), ("moe.experts", 65, "moe")}
+                          ("moe.experts", 1, "moe"), ("moe.experts", 1, "mma_experts"), ("moe.experts", 65, "moe")}
     assert all("s" in c for e in tuned.values() for c in e["configs"])  # every candidate ran
-    assert all(c["rel_err_to_default"] <= 1e-2 for c in tuned["attn.wkv", 1, "mma_gemv"]["configs"])
+    for key in (("attn.wkv", 1, "mma_gemv"), ("moe.experts", 1, "mma_experts")):  # another summation order
+        assert all(c["rel_err_to_default"] <= 1e-2 for c in tuned[key]["configs"]), key
     for key in (("attn.wkv", 65, "bf16"), ("moe.experts", 1, "moe"), ("moe.experts", 65, "moe")):  # batch invariant
         assert all(c["bitwise_equal_to_default"] for c in tuned[key]["configs"]), key
     assert "Best single config per M" in done.stdout
@@ -88,5 +90,24 @@ def test_tensor_core_tokens_puts_the_few_token_products_on_the_tensor_core_kerne
     assert calls == []
     assert script.main(common + ["--tensor-core-tokens", "8", "--json", str(tmp_path / "on.json")]) == 0
     assert calls and set(calls) == {2}
+    doc = json.loads((tmp_path / "on.json").read_text())
+    assert doc["error"] is None and all(r["rel_err"] <= 1e-2 for r in doc["results"])
+
+
+def test_tensor_core_experts_puts_the_routed_experts_on_the_tensor_core_kernels(monkeypatch, tmp_path):
+    """``--tensor-core-experts X``: the run's routed experts of at most X pairs per expert take
+    ``triton_mma_experts`` (every result still checked against the reference); without it, none does."""
+    import benchmarks.kernels as script
+    from model.kernels import tile_configs, triton_mma_experts
+
+    calls = []
+    real = triton_mma_experts.mma_experts
+    monkeypatch.setattr(triton_mma_experts, "mma_experts", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    monkeypatch.setattr(tile_configs, "MMA_EXPERTS_MAX_PAIRS", tile_configs.MMA_EXPERTS_MAX_PAIRS)  # restored after
+    common = ["--device", "cpu", "--tiny", "--quick", "--kernels", "moe", "--m", "2"]
+    assert script.main(common + ["--json", str(tmp_path / "off.json")]) == 0
+    assert calls == []
+    assert script.main(common + ["--tensor-core-experts", "8", "--json", str(tmp_path / "on.json")]) == 0
+    assert calls and set(calls) == {4}  # 2 tokens x top-2
     doc = json.loads((tmp_path / "on.json").read_text())
     assert doc["error"] is None and all(r["rel_err"] <= 1e-2 for r in doc["results"])

@@ -94,9 +94,11 @@ def main() -> int:
 
     from model.cache_formats import COMPRESSED_KV, INDEX_KEYS, WINDOW_KV
     from model.kernels import (tile_configs, triton_align_pairs, triton_bf16_mm, triton_cache_codec,
-                               triton_decode_mm, triton_engram, triton_gemv, triton_greedy, triton_mma_gemv, triton_join_lists, triton_fp4_round_trip, triton_hc_coefficients, triton_index_scores,
-                               triton_mhc, triton_moe, triton_moe_sum, triton_ngram_hash, triton_rms_norm, triton_rope, triton_route,
-                               triton_scaled_mm, triton_sinkhorn, triton_sparse_attention, triton_top_entries)
+                               triton_decode_mm, triton_engram, triton_gemv, triton_greedy, triton_mma_experts,
+                               triton_mma_gemv, triton_join_lists, triton_fp4_round_trip, triton_hc_coefficients,
+                               triton_index_scores, triton_mhc, triton_moe, triton_moe_sum, triton_ngram_hash,
+                               triton_rms_norm, triton_rope, triton_route, triton_scaled_mm, triton_sinkhorn,
+                               triton_sparse_attention, triton_top_entries)
 
     hopper = GPUTarget("cuda", 90, 32)
 
@@ -121,11 +123,13 @@ def main() -> int:
     def scalars(names: str) -> dict[str, str]:
         return {name: "i32" for name in names.split()}
 
-    for round_trip in (False, True):
+    for round_trip, fragment_columns in ((False, False), (True, False), (True, True)):
         types = {"x_ptr": "*bf16", "q_ptr": "*bf16" if round_trip else "*fp16", "s_ptr": "*fp32",
                  **scalars("M K stride_x stride_q stride_s")}
-        check(f"act_quant round_trip={round_trip}", triton_scaled_mm._act_quant_kernel, types,
-              {"BLOCK_ROWS": 4, "BLOCK_COLS": 512, "ROUND_TRIP": round_trip}, wgmma=False)
+        check(f"act_quant round_trip={round_trip} fragment_columns={fragment_columns}",
+              triton_scaled_mm._act_quant_kernel, types,
+              {"BLOCK_ROWS": 4, "BLOCK_COLS": 512, "ROUND_TRIP": round_trip, "FRAGMENT_COLUMNS": fragment_columns},
+              wgmma=False)
 
     for _, cfg in tile_configs._BF16_MM_TABLE:
         for b_fmt, out_f32 in ((0, False), (2, True)):  # FP8 linears and wo_a; the bf16 head
@@ -206,6 +210,28 @@ def main() -> int:
                   spill_free=True,
                   inspect=lambda kernel, warps=cfg.num_warps: _lane_tensors_problems(kernel.asm["ttgir"], warps)
                   + ([] if "HMMA.16816.F32" in kernel.asm["sass"] else ["no m16n8k16 tensor-core instruction"]))
+    experts_index = {name: "*i64" for name in ("pair_token_ptr", "sorted_pair_ptr", "expert_start_ptr",
+                                                "expert_count_ptr", "block_expert_ptr", "block_index_ptr")}
+    experts_cfg = tile_configs._MMA_EXPERTS_TABLE[0][1]
+    for cfg in (experts_cfg, replace(experts_cfg, num_warps=1)):
+        lanes = (lambda kernel, warps=cfg.num_warps: _lane_tensors_problems(kernel.asm["ttgir"], warps)
+                 + ([] if "HMMA.16816.F32.BF16" in kernel.asm["sass"] else ["no m16n8k16 tensor-core instruction"]))
+        experts_sizes = {"D": 5120, "INTER": 2304, "WARPS": cfg.num_warps, "INTERPRETED": False}
+        check(f"mma_experts gate_up {cfg}", triton_mma_experts._gate_up_kernel,
+              {"x_ptr": "*bf16", "pair_weight_ptr": "*fp32", "h_ptr": "*bf16", "part_ptr": "*fp32",
+               "counter_ptr": "*i32", "limit": "fp32", **experts_index,
+               **{name: "*u8" for name in ("w1_ptr", "s1_ptr", "w3_ptr", "s3_ptr")},
+               **scalars("P stride_we stride_se steps_per_split splits")},
+              experts_sizes, cfg, wgmma=False, spill_free=True, inspect=lanes,
+              aligned=("x_ptr", "h_ptr", "part_ptr", "w1_ptr", "s1_ptr", "w3_ptr", "s3_ptr", "stride_we", "stride_se"))
+        for partial in (False, True):
+            check(f"mma_experts down partial={partial} {cfg}", triton_mma_experts._down_kernel,
+                  {"h_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32",
+                   **{name: "*i64" for name in ("sorted_pair_ptr", "expert_start_ptr", "expert_count_ptr",
+                                                "block_expert_ptr", "block_index_ptr")},
+                   "w2_ptr": "*u8", "s2_ptr": "*u8", **scalars("P stride_we stride_se steps_per_split splits")},
+                  {**experts_sizes, "PARTIAL": partial}, cfg, wgmma=False, spill_free=True, inspect=lanes,
+                  aligned=("h_ptr", "out_ptr", "part_ptr", "w2_ptr", "s2_ptr", "stride_we", "stride_se"))
     for same in (False, True):
         check(f"greedy chunk same={same}", triton_greedy._chunk_kernel,
               {"raw_ptr": "*fp32", "processed_ptr": "*fp32", "part_ptr": "*fp32",

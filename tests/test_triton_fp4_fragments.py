@@ -83,6 +83,32 @@ def test_each_register_holds_its_documented_fragment():
                             assert torch.equal(regs[p][t], expected[p]), (rg, kq, c, g, t, p)
 
 
+def test_fragment_ptx_expands_each_lanes_word_lane_by_lane():
+    """``_FRAGMENT_PTX`` itself (executed by ``tests/ptx_warp.py``, each instruction with its PTX ISA
+    meaning) gives each lane the registers ``expand_like_the_kernel`` documents: the dequantized values
+    of its fragment, exactly."""
+    from model.kernels.triton_weight_tiles import _FRAGMENT_PTX
+    from tests.ptx_warp import bf16, run_warp_ptx
+
+    w = random_fp4((), 16, 64, seed=3, exponents=(MIN_EXPONENT, MAX_EXPONENT))
+    dense = w.dequantized(torch.float32)
+    values, scales = to_fragments(w.values, w.scales)
+    words = values.view(torch.uint8).reshape(8, 4, 4, 4).view(torch.int32)[..., 0]  # [g, t, c]
+    s = scales.view(torch.uint8).reshape(2, 8, 2)  # [block, g, h]
+    for c in range(4):
+        operands = [[int(words[lane >> 2, lane % 4, c]) & 0xFFFFFFFF for lane in range(32)],
+                    [int(s[c // 2, lane >> 2, 0]) | int(s[c // 2, lane >> 2, 1]) << 8 for lane in range(32)]]
+        got = run_warp_ptx(_FRAGMENT_PTX.value, operands, 4)
+        for lane in range(32):
+            g, t = lane >> 2, lane % 4
+            col = 16 * c + 2 * t
+            expected = [dense[g, col:col + 2], dense[g + 8, col:col + 2], dense[g, col + 8:col + 10],
+                        dense[g + 8, col + 8:col + 10]]
+            for p in range(4):
+                pair = [bf16(got[lane][p] & 0xFFFF), bf16(got[lane][p] >> 16)]
+                assert pair == expected[p].tolist(), (c, lane, p)
+
+
 @triton.jit
 def _tile_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
                  INTERPRETED: tl.constexpr):

@@ -168,6 +168,35 @@ def test_fp4_moe_real_shapes(kernels, tokens, fragments):
     assert torch.equal(one, got[:TOP_K]), "a token's expert outputs depend on its batch"
 
 
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
+def test_fp4_moe_on_tensor_cores_from_registers_real_shapes(kernels, monkeypatch, tokens):
+    """``triton_mma_experts`` (chosen through ``tile_configs.MMA_EXPERTS_MAX_PAIRS``) at the real shapes
+    against the reference, at 0.02 to 4.7 pairs per expert (300 tokens: some experts in two blocks);
+    a token alone gets the same bits whenever its launch splits K the same way (one token, one split
+    here: 50 launches give the same bits)."""
+    from model.kernels import tile_configs, triton_mma_experts
+
+    monkeypatch.setattr(tile_configs, "MMA_EXPERTS_MAX_PAIRS", 8.0)
+    _, reference, decode_k = kernels
+    gen = torch.Generator(device="cuda").manual_seed(40 + tokens)
+    experts = ExpertWeights(fp4_stack(EXPERTS, INTER, D, gen), fp4_stack(EXPERTS, INTER, D, gen),
+                            fp4_stack(EXPERTS, D, INTER, gen), first_expert=0, swiglu_limit=10.0)
+    experts = decode_k.prepare_experts(experts)
+    assert triton_mma_experts.takes(experts)
+    x = torch.randn(tokens, D, device="cuda", generator=gen).bfloat16()
+    ids = torch.rand(tokens, EXPERTS, device="cuda", generator=gen).topk(TOP_K, dim=-1).indices.reshape(-1)
+    pair_token = torch.arange(tokens * TOP_K, device="cuda") // TOP_K
+    weights = torch.rand(tokens * TOP_K, device="cuda", generator=gen)
+    calls = []
+    real = triton_mma_experts.mma_experts
+    monkeypatch.setattr(triton_mma_experts, "mma_experts", lambda *a: calls.append(1) or real(*a))
+    got = decode_k.expert_outputs(x, pair_token, ids, weights, experts)
+    assert calls, "the backend did not take the tensor-core kernels"
+    assert_experts_close_to_reference(got, reference.expert_outputs(x, pair_token, ids, weights, experts))
+    if tokens == 1:
+        assert all(torch.equal(decode_k.expert_outputs(x, pair_token, ids, weights, experts), got) for _ in range(50))
+
+
 @pytest.mark.parametrize("fragments", [False, True], ids=["rows", "fragments"])
 def test_fp4_moe_prefill_tiles_equal_decode_tiles(kernels, fragments):
     """At 4,500 tokens (70 pairs per expert) the experts take their prefill tiles (128 tokens per

@@ -10,9 +10,6 @@ output), as for ``triton_gemv``: the products are exact and only the order of th
 
 from __future__ import annotations
 
-import re
-
-import numpy as np
 import pytest
 import torch
 
@@ -23,6 +20,7 @@ from model.kernels import tile_configs, triton_gemv, triton_mma_gemv, triton_spl
 from model.kernels.reference import ReferenceKernels  # noqa: E402
 from model.kernels.triton_mma_gemv import fp8_mma_gemv  # noqa: E402
 from tests.kernel_checks import device  # noqa: E402
+from tests.ptx_warp import bits32, f32, run_warp_ptx  # noqa: E402
 from tests.test_triton_kernels import assert_close_to_reference, random_weight  # noqa: E402
 
 REFERENCE = ReferenceKernels(batch_invariant=False)
@@ -165,78 +163,8 @@ def test_rejects_what_it_does_not_compute():
 
 
 # ------------------------------------------------------------------ the inline PTX, lane by lane
-# The interpreter cannot run inline assembly, so the kernel's PTX is checked here by executing its
-# text for the 32 lanes of a warp: each instruction it uses with its PTX ISA meaning, the tensor-core
-# instruction with the fragment layout of the ISA's "Matrix Fragments for mma.m16n8k16 with floating
-# point type" (groupID = lane >> 2, threadID_in_group = lane % 4), independently of how the kernel
-# chose its fragments.
-
-def _f32(bits: int) -> float:
-    return float(np.array([bits], dtype=np.uint32).view(np.float32)[0])
-
-
-def _bits(value: float) -> int:
-    return int(np.array([value], dtype=np.float32).view(np.uint32)[0])
-
-
-def _f16(bits: int) -> float:
-    return float(np.array([bits], dtype=np.uint16).view(np.float16)[0])
-
-
-def _e4m3_to_f16_bits(byte: int) -> int:
-    value = torch.tensor([byte], dtype=torch.uint8).view(torch.float8_e4m3fn).float().item()
-    return int(np.array([value], dtype=np.float16).view(np.uint16)[0])
-
-
-def _run_warp_ptx(ptx: str, operands: list[list[int]], outputs: int) -> list[list[int]]:
-    """Execute ``ptx`` for 32 lanes; ``operands[i][lane]`` is the bit pattern of ``$(outputs + i)``.
-    Returns ``[lane][j]``, the bits of ``$j`` for each output j."""
-    regs = [{f"${outputs + i}": op[lane] for i, op in enumerate(operands)} for lane in range(32)]
-    for raw in ptx.splitlines():
-        line = raw.strip().rstrip(";")
-        if not line or line in "{}" or line.startswith(".reg"):
-            continue
-        opcode, rest = line.split(None, 1)
-        args = [a.strip() for a in re.split(r",\s*(?![^{]*})", rest)]
-        vec = [[v.strip() for v in a.strip("{}").split(",")] for a in args]
-        if opcode.startswith("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"):
-            a_mat, b_mat, c_mat = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
-            for lane, r in enumerate(regs):
-                g, t = lane >> 2, lane % 4
-                a_vals = [h for reg in vec[1] for h in (r[reg] & 0xFFFF, r[reg] >> 16)]  # a0..a7, low half first
-                for i, h in enumerate(a_vals):
-                    a_mat[g + 8 * (i % 4 >= 2), 2 * t + (i & 1) + 8 * (i >= 4)] = _f16(h)
-                b_vals = [h for reg in vec[2] for h in (r[reg] & 0xFFFF, r[reg] >> 16)]
-                for i, h in enumerate(b_vals):
-                    b_mat[2 * t + (i & 1) + 8 * (i >= 2), g] = _f16(h)
-                for i, reg in enumerate(vec[3]):
-                    c_mat[g + 8 * (i >= 2), 2 * t + (i & 1)] = _f32(r[reg])
-            d_mat = a_mat @ b_mat + c_mat
-            for lane, r in enumerate(regs):
-                g, t = lane >> 2, lane % 4
-                for i, reg in enumerate(vec[0]):
-                    r[reg] = _bits(d_mat[g + 8 * (i >= 2), 2 * t + (i & 1)])
-            continue
-        for r in regs:
-            val = lambda a: int(a[2:], 16) if a.startswith("0f") else (int(a) if a.isdigit() else r[a])  # noqa: E731
-            if opcode in ("mov.b64", "mov.b32"):
-                width = 32 if opcode == "mov.b64" else 16
-                r[vec[0][0]], r[vec[0][1]] = r[args[1]] & ((1 << width) - 1), r[args[1]] >> width
-            elif opcode == "cvt.rn.f16x2.e4m3x2":
-                h = r[args[1]]
-                r[args[0]] = _e4m3_to_f16_bits(h & 0xFF) | _e4m3_to_f16_bits(h >> 8) << 16
-            elif opcode == "mov.f32":
-                r[args[0]] = val(args[1])
-            elif opcode == "shl.b32":
-                r[args[0]] = (val(args[1]) << val(args[2])) & 0xFFFFFFFF
-            elif opcode == "mul.f32":
-                r[args[0]] = _bits(_f32(val(args[1])) * _f32(val(args[2])))
-            elif opcode == "fma.rn.f32":
-                r[args[0]] = _bits(_f32(val(args[1])) * _f32(val(args[2])) + _f32(val(args[3])))
-            else:
-                raise AssertionError(f"the test does not know {opcode}")
-    return [[r[f"${j}"] for j in range(outputs)] for r in regs]
-
+# The interpreter cannot run inline assembly: the kernel's PTX text is executed for the 32 lanes of a
+# warp by ``tests/ptx_warp.py`` (each instruction with its PTX ISA meaning).
 
 def test_group_step_ptx_computes_a_blocks_sums_lane_by_lane():
     """``_GROUP_STEP_PTX`` with each lane's operands laid out as the kernel loads them (rows g and
@@ -263,13 +191,13 @@ def test_group_step_ptx_computes_a_blocks_sums_lane_by_lane():
         [word64(act_bits[g, 8 * t + 4:8 * t + 8]) for g, t in lanes],
         [word64(act_scale[2 * t:2 * t + 2]) for g, t in lanes],
         [w_exp] * 32,
-        *[[_bits(start[lane, j].item()) for lane in range(32)] for j in range(4)],
+        *[[bits32(start[lane, j].item()) for lane in range(32)] for j in range(4)],
     ]
-    got = _run_warp_ptx(triton_mma_gemv._GROUP_STEP_PTX.value, operands, 4)
+    got = run_warp_ptx(triton_mma_gemv._GROUP_STEP_PTX.value, operands, 4)
     products = weight.view(torch.float8_e4m3fn).double() @ act.double().T  # [16 rows, 8 tokens]
     scaled = products * act_scale.double()[None, :] * 2.0 ** (w_exp - 127)
     for lane, (g, t) in enumerate(lanes):
         expected = [start[lane, 0] + scaled[g, 2 * t], start[lane, 1] + scaled[g, 2 * t + 1],
                     start[lane, 2] + scaled[g + 8, 2 * t], start[lane, 3] + scaled[g + 8, 2 * t + 1]]
         for j in range(4):
-            assert _f32(got[lane][j]) == pytest.approx(float(expected[j]), rel=1e-6, abs=1e-6), (lane, j)
+            assert f32(got[lane][j]) == pytest.approx(float(expected[j]), rel=1e-6, abs=1e-6), (lane, j)

@@ -127,6 +127,15 @@ def values_from_fragments(values: torch.Tensor) -> torch.Tensor:
     return pack_e2m1(_row_view(codes, n, k)).view(values.dtype)
 
 
+def fragment_column_order(k: int) -> torch.Tensor:
+    """``order[col]``: where an activation row's column ``col`` goes in the fragment layout's column
+    order (``triton_weight_tiles.fragment_column``): column ``64 q + 16 c + 8 j + 2 t + b`` to
+    ``64 q + 16 t + 4 c + 2 j + b``, lane t's B fragments of the four 16-column steps side by side."""
+    col = torch.arange(k)
+    c, j, t, b = (col >> 4) & 3, (col >> 3) & 1, (col >> 1) & 3, col & 1
+    return (col & -64) | (t << 4) | (c << 2) | (j << 1) | b
+
+
 def _scales_to_fragments(scales: torch.Tensor) -> torch.Tensor:
     *lead, n, blocks = scales.shape
     d = len(lead)

@@ -146,3 +146,25 @@ _MMA_GEMV_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
 
 def mma_gemv_config(m: int) -> DecodeConfig:
     return _pick(_MMA_GEMV_TABLE, m)
+
+
+# The routed experts take ``triton_mma_experts`` (the tensor cores fed from registers, blocks of 8 pairs)
+# outside the batch-invariant mode while a step has at most this many pairs per expert on average; 0:
+# never. It stays 0 until the kernels have been run and timed against ``triton_moe`` on a GPU
+# (``benchmarks/kernels.py --kernels moe --tensor-core-experts 8``; docs/benchmarks.md): they are
+# written and compiled for sm_90, not yet measured
+MMA_EXPERTS_MAX_PAIRS = 0.0
+
+# (mean pairs per expert, config): ``triton_mma_experts``. ``num_warps`` warps per program (each 32 rows
+# of w1 and w3, or 64 of w2), K split until there are ``programs_per_sm`` programs per SM; ``block_w``
+# and ``block_k`` are set by the kernels (their rows per program, one 64-column step). A starting point
+# for the sweep: a warp keeps ~2.5 KB of loads in flight (four groups' words and scales one step ahead),
+# so 4 programs of 4 warps per SM hold ~40 KB, past the ~25 KB an SM needs at full bandwidth, and 4 is
+# what fits at the 128 registers per thread the GPU's Triton 3.6 gives the gate/up kernel
+_MMA_EXPERTS_TABLE: tuple[tuple[float, DecodeConfig], ...] = (
+    (1 << 62, DecodeConfig(128, 64, 4, 1, 4)),
+)
+
+
+def mma_experts_config(pairs_per_expert: float) -> DecodeConfig:
+    return _pick(_MMA_EXPERTS_TABLE, pairs_per_expert)

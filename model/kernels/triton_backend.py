@@ -21,7 +21,7 @@ from .triton_bf16_mm import BLOCK_K as BF16_MM_BLOCK_K
 from .triton_bf16_mm import bf16_mm
 from .triton_decode_mm import MAX_TOKENS as DECODE_MAX_TOKENS
 from .triton_decode_mm import decode_mm, fp8_decode_mm
-from . import tile_configs, triton_gemv, triton_mma_gemv
+from . import tile_configs, triton_gemv, triton_mma_experts, triton_mma_gemv
 from .triton_moe import BLOCK_K as MOE_BLOCK_K
 from .triton_moe import fused_experts
 from .triton_moe_sum import moe_sum, swiglu
@@ -44,7 +44,9 @@ class TritonKernels(KernelBackend):
     ``triton_bf16_mm``); otherwise the FP8 products of one token take the matrix-vector form
     (``triton_gemv``, two projections of one input in one launch; ``triton_mma_gemv`` on the tensor
     cores up to ``tile_configs.MMA_GEMV_MAX_TOKENS`` tokens, once measured) and those of at most
-    ``decode_mm.MAX_TOKENS`` rows the split-K decode form (``triton_decode_mm``). The sparse attention is one launch per layer
+    ``decode_mm.MAX_TOKENS`` rows the split-K decode form (``triton_decode_mm``); the routed experts of
+    a step with few pairs per expert may take ``triton_mma_experts`` (``tile_configs.MMA_EXPERTS_MAX_PAIRS``,
+    once measured), all others ``triton_moe``. The sparse attention is one launch per layer
     (``triton_sparse_attention``), where its torch twin takes ~120 small kernels; mHC's coefficients
     take two (``triton_hc_coefficients``) instead of ~140; RMSNorm, RoPE, the FP8/FP4 round trips,
     mHC's collapse and expand, the shared expert's SwiGLU and the MoE's routing and expert sum one each; the
@@ -133,7 +135,12 @@ class TritonKernels(KernelBackend):
                        pair_weight: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
         if not isinstance(experts.w1, QuantizedWeight):
             return self._plain.expert_outputs(x, pair_token, pair_expert, pair_weight, experts)
-        return fused_experts(x, pair_token, pair_expert, pair_weight.float().contiguous(), experts)
+        weights = pair_weight.float().contiguous()
+        pairs = pair_token.shape[0]
+        if (not self.batch_invariant and 0 < pairs <= tile_configs.MMA_EXPERTS_MAX_PAIRS * experts.num_experts
+                and triton_mma_experts.takes(experts)):
+            return triton_mma_experts.mma_experts(x, pair_token, pair_expert, weights, experts)
+        return fused_experts(x, pair_token, pair_expert, weights, experts)
 
     def sparse_attention(self, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, valid: torch.Tensor,
                          sink: torch.Tensor, scale: float) -> torch.Tensor:

@@ -38,14 +38,10 @@ two scales (powers of two) multiply that sum, and one fp32 add takes it into the
 reference's order (each block summed, scaled, then the blocks added in order) but for the order of
 the sums inside a block. The result stays within one bf16 ulp of the reference's (tested).
 
-Lanes. Which thread holds which element of a Triton tensor is the compiler's choice (its layout), but
-a tensor-core instruction needs each lane's own fragment. So the lane and warp of each thread are read
-from the hardware (``%laneid``, ``%tid.x``) into tensors of one element per thread, every address is
-computed from them, and fragments are loaded, multiplied and stored element by element: each thread
-multiplies what it loaded itself and stores its own results, whatever the layout. The one thing the
-layout must give is one element per thread (the warp-wide instruction needs all 32 lanes), which
-``tests/test_triton_compile.py`` checks in the compiled kernel. In Triton's interpreter (no inline
-assembly) the tensor-core instruction is computed by tensor operations over the same fragments.
+Lanes: each thread's lane and warp are read from the hardware into tensors of one element per thread
+and every fragment is loaded, multiplied and stored element by element (``triton_warp_fragments``). In
+Triton's interpreter (no inline assembly) the tensor-core instruction is computed by tensor operations
+over the same fragments.
 
 K is split as in ``triton_gemv`` so that enough programs stream the weight, and the last split of a
 tile adds the fp32 partials in split order (``triton_split_sums``). Not batch invariant (the split
@@ -66,22 +62,11 @@ from .triton_common import INTERPRETED, quantize_blocks, sm_count, to_bf16
 from .triton_decode_mm import split_count
 from .triton_gemv import fits
 from .triton_split_sums import last_to_arrive, reset_counter, split_counters, sum_partials
+from .triton_warp_fragments import warp_lanes
 
 MAX_TOKENS = 8  # the token columns of one tensor-core product
 ROWS_PER_WARP = 32  # one row of the weight's 32x32 scale tiles
 BLOCK = 32  # K columns of one scale block (a loop step takes one or two)
-
-
-@triton.jit
-def _lanes(THREADS: tl.constexpr, INTERPRETED: tl.constexpr):
-    """(lane, warp) of the thread holding each element of a ``[THREADS]`` tensor (one per thread)."""
-    index = tl.arange(0, THREADS)
-    if INTERPRETED:  # the interpreter's element i plays thread i
-        return index % 32, index // 32
-    else:
-        return tl.inline_asm_elementwise(
-            asm="mov.u32 $0, %laneid; mov.u32 $1, %tid.x; shr.u32 $1, $1, 5;",
-            constraints="=r,=r,r", args=[index], dtype=(tl.int32, tl.int32), is_pure=False, pack=1)
 
 
 # One 32-column block of a 16-row group: $4, $5 the 8 weight bytes of rows g and g+8 at columns
@@ -242,7 +227,7 @@ def _fp8_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr,
     # a warp past the last row reads the last row, a lane whose token g is past the last reads the
     # last, a lane whose tokens 2t, 2t + 1 are past the tile's reads the tile's last two (none of
     # those sums is stored)
-    lane, warp = _lanes(32 * WARPS, INTERPRETED)
+    lane, warp = warp_lanes(32 * WARPS, INTERPRETED)
     g = lane // 4
     t = lane % 4
     warp_row = tile * TILE + warp * 32  # the warp's 32 rows: one row of scale tiles

@@ -124,18 +124,28 @@ def _gate_up_kernel(x_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_ptr, exp
         w3 = _expert_tile(w3_ptr, s3_ptr, offs_w, k0, INTER, D, stride_wn, stride_sn, words, scales, groups, B_FMT,
                           BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
         up = _dot(up, w3, tl.trans(a), INTERPRETED)
+    weight = tl.load(pair_weight_ptr + pairs, mask=row_mask, other=0.0)
+    round_trip = hidden_round_trip(gate, up, weight, limit, BLOCK_T, BLOCK_W, INTERPRETED)
+    rows = (pid_b * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    tl.store(h_ptr + rows[:, None] * stride_h + offs_w[None, :], round_trip.to(tl.bfloat16),  # exact
+             mask=row_mask[:, None] & (offs_w[None, :] < INTER))
+
+
+@triton.jit
+def hidden_round_trip(gate, up, weight, limit, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+                      INTERPRETED: tl.constexpr):
+    """fp32 sums of ``w1`` and ``w3`` ``[BLOCK_W features, BLOCK_T pairs]`` and the pairs' routing
+    weights -> the down projection's input ``[BLOCK_T, BLOCK_W]`` (fp32, exact in bf16): both rounded to
+    bf16 as the reference's projections are, the clamped SwiGLU times the routing weight rounded to
+    bf16, then its FP8 round trip per 32 features (``BLOCK_W`` whole groups)."""
     gate = to_bf16(gate, INTERPRETED).to(tl.float32)  # the reference's w1(x) and w3(x) are bf16
     up = to_bf16(up, INTERPRETED).to(tl.float32)
     if limit > 0:
         up = tl.minimum(tl.maximum(up, -limit), limit)
         gate = tl.minimum(gate, limit)
-    weight = tl.load(pair_weight_ptr + pairs, mask=row_mask, other=0.0)
     hidden = to_bf16(weight[None, :] * (gate / (1.0 + tl.exp(-gate)) * up), INTERPRETED).to(tl.float32)
-    q, scale = quantize_groups_of_32(tl.trans(hidden), BLOCK_T, BLOCK_W)  # [tokens, features]
-    round_trip = tl.reshape(tl.reshape(q, (BLOCK_T, BLOCK_W // 32, 32)) * scale[:, :, None], (BLOCK_T, BLOCK_W))
-    rows = (pid_b * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    tl.store(h_ptr + rows[:, None] * stride_h + offs_w[None, :], round_trip.to(tl.bfloat16),  # exact
-             mask=row_mask[:, None] & (offs_w[None, :] < INTER))
+    q, scale = quantize_groups_of_32(tl.trans(hidden), BLOCK_T, BLOCK_W)  # [pairs, features]
+    return tl.reshape(tl.reshape(q, (BLOCK_T, BLOCK_W // 32, 32)) * scale[:, :, None], (BLOCK_T, BLOCK_W))
 
 
 @triton.jit

@@ -30,7 +30,7 @@ import triton.language as tl
 from ..config import WeightFormat
 from .tile_configs import scaled_mm_config
 from .triton_common import INTERPRETED, quantize_groups_of_32, to_bf16
-from .triton_weight_tiles import FORMAT_CODES, e2m1_bytes_to_fp16
+from .triton_weight_tiles import FORMAT_CODES, e2m1_bytes_to_fp16, fragment_column
 
 
 @triton.jit
@@ -109,7 +109,7 @@ def _scaled_mm_kernel(q_ptr, qs_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_qm, s
 
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s, BLOCK_ROWS: tl.constexpr,
-                      BLOCK_COLS: tl.constexpr, ROUND_TRIP: tl.constexpr):
+                      BLOCK_COLS: tl.constexpr, ROUND_TRIP: tl.constexpr, FRAGMENT_COLUMNS: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
@@ -117,7 +117,8 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s, B
     q, scale = quantize_groups_of_32(x, BLOCK_ROWS, BLOCK_COLS)
     if ROUND_TRIP:  # values times scales, in bf16 (exact)
         y = tl.reshape(tl.reshape(q, (BLOCK_ROWS, BLOCK_COLS // 32, 32)) * scale[:, :, None], (BLOCK_ROWS, BLOCK_COLS))
-        tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], y.to(tl.bfloat16), mask=mask)
+        places = fragment_column(cols) if FRAGMENT_COLUMNS else cols
+        tl.store(q_ptr + rows[:, None] * stride_q + places[None, :], y.to(tl.bfloat16), mask=mask)
     else:
         tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q.to(tl.float16), mask=mask)
         blocks = tl.program_id(1) * (BLOCK_COLS // 32) + tl.arange(0, BLOCK_COLS // 32)
@@ -135,20 +136,25 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def act_quant_bf16(x: torch.Tensor) -> torch.Tensor:
-    """bf16 ``[M, K]`` -> its FP8 round trip per 32, in bf16 (exact): ``fp8_qdq`` bit for bit."""
+def act_quant_bf16(x: torch.Tensor, fragment_columns: bool = False) -> torch.Tensor:
+    """bf16 ``[M, K]`` -> its FP8 round trip per 32, in bf16 (exact): ``fp8_qdq`` bit for bit;
+    ``fragment_columns``: each row's columns in the fragment layout's order (``fragment_column``, K a
+    multiple of 64), as ``triton_mma_experts`` reads them."""
+    if fragment_columns and x.shape[1] % 64:
+        raise ValueError(f"the fragment layout's column order needs K % 64 == 0, not {x.shape[1]}")
     y = torch.empty_like(x)
-    _launch_act_quant(x, y, y, round_trip=True)
+    _launch_act_quant(x, y, y, round_trip=True, fragment_columns=fragment_columns)
     return y
 
 
-def _launch_act_quant(x: torch.Tensor, out: torch.Tensor, scales: torch.Tensor, round_trip: bool) -> None:
+def _launch_act_quant(x: torch.Tensor, out: torch.Tensor, scales: torch.Tensor, round_trip: bool,
+                      fragment_columns: bool = False) -> None:
     m, k = x.shape
     if m:
         rows, cols = 4, 512
         _act_quant_kernel[(triton.cdiv(m, rows), triton.cdiv(k, cols))](
             x, out, scales, m, k, x.stride(0), out.stride(0), scales.stride(0), BLOCK_ROWS=rows, BLOCK_COLS=cols,
-            ROUND_TRIP=round_trip, num_warps=4)
+            ROUND_TRIP=round_trip, FRAGMENT_COLUMNS=fragment_columns, num_warps=4)
 
 
 def scaled_mm(q: torch.Tensor, q_scales: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,

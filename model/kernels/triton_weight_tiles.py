@@ -148,36 +148,57 @@ _E4M3_PTX = tl.constexpr("""{
 
 
 # ---------------------------------------------------------------------------- the fragment layout
-# $4: one word (the fragment's 8 codes, fp4_fragments.py); $5: 16 bits, the scale bytes of rows g (low)
-# and g + 8 (high). Each scale becomes bf16 2**(e - 1) in both halves of a register ((e + 126) << 7, by
-# a byte permute and one multiply-add); each pair of codes becomes bf16 e2m1 x 2**-126 by a shift and
-# a mask (pair 3: three of each), times its row's scale: exact (fp4_fragments). One word in, its four
-# registers out, whatever layout the compiler gives the tensors.
-_FRAGMENT_PTX = tl.constexpr("""{
-    .reg .b32 p, q, s, sg, sh;
-    cvt.u32.u16 s, $5;
-    prmt.b32 sg, s, 0, 0x4040;
-    mad.lo.u32 sg, sg, 128, 0x3F003F00;
-    prmt.b32 sh, s, 0, 0x4141;
-    mad.lo.u32 sh, sh, 128, 0x3F003F00;
-    and.b32 p, $4, 0x81C081C0;
-    mul.rn.bf16x2 $0, p, sg;
-    shl.b32 p, $4, 3;
+def fragment_scales_ptx(pair: str, row_g: str, row_g8: str) -> str:
+    """PTX: the scale bytes of rows g (the low byte of the b32 register ``pair``) and g + 8 (its next
+    byte) -> bf16 ``2**(e - 1)`` in both halves of ``row_g`` and ``row_g8``: ``(e + 126) << 7``, by a
+    byte permute and one multiply-add each."""
+    return f"""
+    prmt.b32 {row_g}, {pair}, 0, 0x4040;
+    mad.lo.u32 {row_g}, {row_g}, 128, 0x3F003F00;
+    prmt.b32 {row_g8}, {pair}, 0, 0x4141;
+    mad.lo.u32 {row_g8}, {row_g8}, 128, 0x3F003F00;"""
+
+
+def fragment_word_ptx(word: str, row_g: str, row_g8: str, registers: tuple[str, str, str, str]) -> str:
+    """PTX: one fragment word (``fp4_fragments.py``) -> its four bf16x2 registers, scales applied. Each
+    pair of codes becomes bf16 e2m1 x 2**-126 by a shift and a mask (pair 3: three of each), times its
+    row's factor from ``fragment_scales_ptx``: exact (fp4_fragments). Uses b32 temporaries p and q."""
+    r0, r1, r2, r3 = registers
+    return f"""
+    and.b32 p, {word}, 0x81C081C0;
+    mul.rn.bf16x2 {r0}, p, {row_g};
+    shl.b32 p, {word}, 3;
     and.b32 p, p, 0x81C081C0;
-    mul.rn.bf16x2 $1, p, sh;
-    shl.b32 p, $4, 6;
+    mul.rn.bf16x2 {r1}, p, {row_g8};
+    shl.b32 p, {word}, 6;
     and.b32 p, p, 0x81C081C0;
-    mul.rn.bf16x2 $2, p, sg;
-    shl.b32 p, $4, 1;
+    mul.rn.bf16x2 {r2}, p, {row_g};
+    shl.b32 p, {word}, 1;
     and.b32 p, p, 0x80008000;
-    shr.b32 q, $4, 3;
+    shr.b32 q, {word}, 3;
     and.b32 q, q, 0x01800180;
     or.b32 p, p, q;
-    shr.b32 q, $4, 7;
+    shr.b32 q, {word}, 7;
     and.b32 q, q, 0x00400040;
     or.b32 p, p, q;
-    mul.rn.bf16x2 $3, p, sh;
-}""")
+    mul.rn.bf16x2 {r3}, p, {row_g8};"""
+
+
+# $4: one word (the fragment's 8 codes); $5: 16 bits, the scale bytes of rows g (low) and g + 8 (high).
+# One word in, its four registers out, whatever layout the compiler gives the tensors.
+_FRAGMENT_PTX = tl.constexpr("{ .reg .b32 p, q, s, sg, sh; cvt.u32.u16 s, $5;"
+                             + fragment_scales_ptx("s", "sg", "sh")
+                             + fragment_word_ptx("$4", "sg", "sh", ("$0", "$1", "$2", "$3")) + " }")
+
+
+@triton.jit
+def fragment_column(col):
+    """Where column ``col`` of an activation row goes when the row is stored in the fragment layout's
+    column order: within each group of 64, lane t's 16 columns of the four 16-column steps
+    (``16 c + 8 j + 2 t + b``, the K slots of its B fragments) become 16 consecutive values
+    ``16 t + 4 c + 2 j + b``, so a lane loads a step's B fragments as one 8-byte word
+    (``triton_mma_experts``; twin: ``fp4_fragments.fragment_column_order``)."""
+    return (col & -64) | (((col >> 1) & 3) << 4) | (((col >> 4) & 3) << 2) | (((col >> 3) & 1) << 1) | (col & 1)
 
 
 @triton.jit
@@ -213,7 +234,7 @@ def fragment_tile(w_ptr, s_ptr, words, scales, groups, BLOCK_W: tl.constexpr, BL
                    mask=tl.arange(0, RG)[:, None, None, None, None] < groups, other=0)
     pair = tl.broadcast_to(pair, (RG, KQ, 8, 4, 4))
     if INTERPRETED:  # no inline assembly: the same bits with tensor operations
-        r0, r1, r2, r3 = _fragment_registers(word, pair)
+        r0, r1, r2, r3 = fragment_registers(word, pair)
     else:
         r0, r1, r2, r3 = tl.inline_asm_elementwise(asm=_FRAGMENT_PTX, constraints="=r,=r,=r,=r,r,h",
                                                    args=[word, pair], dtype=(tl.int32,) * 4, is_pure=True,
@@ -237,7 +258,7 @@ _SIGN_MASK = tl.constexpr(0x80008000 - (1 << 32))
 
 
 @triton.jit
-def _fragment_registers(word, pair):
+def fragment_registers(word, pair):
     """The interpreter's twin of ``_FRAGMENT_PTX``: the four registers, from the same bits (the products
     by the scales in fp32, exact: the results are normal bf16 values)."""
     m = _PAIR_MASK
