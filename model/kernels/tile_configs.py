@@ -138,7 +138,7 @@ MMA_GEMV_MAX_TOKENS = 0
 # ``num_warps`` warps), ``block_k`` its loop step, one or two 32-column blocks (its splits are whole
 # steps). A starting point for the sweep: with one block per step a warp keeps 1 KB of loads in
 # flight, and an H200 SM needs ~25 KB in flight to stream at full bandwidth, so enough splits for 8
-# programs of 4 warps per SM (54 registers per thread under the GPU's Triton 3.6: 9 such programs fit)
+# programs of 4 warps per SM (44 registers per thread under the GPU's Triton 3.6: 11 such programs fit)
 _MMA_GEMV_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
     (8, DecodeConfig(128, 32, 4, 1, 8)),
 )
@@ -159,8 +159,8 @@ MMA_EXPERTS_MAX_PAIRS = 0.0
 # of w1 and w3, or 64 of w2), K split until there are ``programs_per_sm`` programs per SM; ``block_w``
 # and ``block_k`` are set by the kernels (their rows per program, one 64-column step). A starting point
 # for the sweep: a warp keeps ~2.5 KB of loads in flight (four groups' words and scales one step ahead),
-# so 4 programs of 4 warps per SM hold ~40 KB, past the ~25 KB an SM needs at full bandwidth, and 4 is
-# what fits at the 128 registers per thread the GPU's Triton 3.6 gives the gate/up kernel
+# so 4 programs of 4 warps per SM hold ~40 KB, past the ~25 KB an SM needs at full bandwidth (at the 96
+# registers per thread the GPU's Triton 3.6 gives both kernels, 5 such programs fit)
 _MMA_EXPERTS_TABLE: tuple[tuple[float, DecodeConfig], ...] = (
     (1 << 62, DecodeConfig(128, 64, 4, 1, 4)),
 )

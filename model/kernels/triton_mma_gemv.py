@@ -9,7 +9,7 @@ instructions per weight byte and thread. An H200 must take ~16 weight bytes per 
 HBM to run at its bandwidth, so that loop is bound by instruction issue (docs/benchmarks.md). One
 ``mma.sync.m16n8k16`` takes a 16 x 16 tile of weight, 8 bytes from each of a warp's 32 lanes, as f16
 operands: per 8 weight bytes (one load) a lane spends four conversions (a pair of e4m3 bytes to a
-pair of f16 is one instruction) and one tensor-core instruction, ~1.9 instructions per weight byte
+pair of f16 is one instruction) and one tensor-core instruction, ~1.5 instructions per weight byte
 in the loop against ~4.9 (both compiled for sm_90; docs/benchmarks.md). The product's 8 token
 columns hold up to 8 tokens; at one token the other 7 multiply zeros, which costs nothing extra.
 
@@ -169,6 +169,27 @@ def _add_block(sums, block, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _load_step(w_words, x_words, scale_words, w_exps, b, K: tl.constexpr, TOKENS: tl.constexpr,
+               STEP_BLOCKS: tl.constexpr):
+    """The blocks of the loop step that starts at block ``b`` (``_load_block``): one or two."""
+    first = _load_block(w_words, x_words, scale_words, w_exps, b, K, TOKENS)
+    if STEP_BLOCKS == 2:
+        return first, _load_block(w_words, x_words, scale_words, w_exps, b + 1, K, TOKENS)
+    else:
+        return first, first
+
+
+@triton.jit
+def _add_step(sums, step, STEP_BLOCKS: tl.constexpr, INTERPRETED: tl.constexpr):
+    """A loop step's blocks added to a lane's eight sums."""
+    first, second = step
+    sums = _add_block(sums, first, INTERPRETED)
+    if STEP_BLOCKS == 2:
+        sums = _add_block(sums, second, INTERPRETED)
+    return sums
+
+
+@triton.jit
 def _f16_blocks(g):
     """bf16 values as fp32 ``[..., 32]`` -> (f16-ready values ``[..., 32]``, scales ``[...]``): each
     block times the power of two that puts its largest magnitude in [2**15, 2**16)."""
@@ -239,27 +260,27 @@ def _fp8_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr,
     scale_words = act_scale_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + tl.minimum(t, TOKENS // 2 - 1)
     w_exps = scales + first_row // 32 * (K // 32) + k_begin // 32 + tl.zeros_like(lane)
     # running sums of rows g, g + 8 (a) and g + 16, g + 24 (b) x tokens 2t, 2t + 1, STEP_BLOCKS blocks
-    # per loop step. Every load is issued one step before its use; the pointers walk one step at a
-    # time (the last step, peeled off, loads nothing ahead; with one block per step the second block
-    # of a step is the first, loaded once)
+    # per loop step. Every step's loads are issued before the previous step's products, into two sets
+    # of registers taken in turn (two steps per loop iteration), so that no loaded value is copied
     zero = tl.zeros((32 * WARPS,), dtype=tl.float32)
     sums = (zero, zero, zero, zero, zero, zero, zero, zero)
-    first = _load_block(w_words, x_words, scale_words, w_exps, 0, K, TOKENS)
-    second = _load_block(w_words, x_words, scale_words, w_exps, STEP_BLOCKS - 1, K, TOKENS)
-    for _ in range(STEP_BLOCKS, blocks, STEP_BLOCKS):
-        w_words += 4 * STEP_BLOCKS
-        x_words += TOKENS * 8 * STEP_BLOCKS
-        scale_words += TOKENS // 2 * STEP_BLOCKS
-        w_exps += STEP_BLOCKS
-        next_first = _load_block(w_words, x_words, scale_words, w_exps, 0, K, TOKENS)
-        next_second = _load_block(w_words, x_words, scale_words, w_exps, STEP_BLOCKS - 1, K, TOKENS)
-        sums = _add_block(sums, first, INTERPRETED)
-        if STEP_BLOCKS == 2:
-            sums = _add_block(sums, second, INTERPRETED)
-        first, second = next_first, next_second
-    sums = _add_block(sums, first, INTERPRETED)
-    if STEP_BLOCKS == 2:
-        sums = _add_block(sums, second, INTERPRETED)
+    steps = blocks // STEP_BLOCKS
+    even = _load_step(w_words, x_words, scale_words, w_exps, 0, K, TOKENS, STEP_BLOCKS)
+    for _ in range(0, (steps - 1) // 2):
+        odd = _load_step(w_words, x_words, scale_words, w_exps, STEP_BLOCKS, K, TOKENS, STEP_BLOCKS)
+        sums = _add_step(sums, even, STEP_BLOCKS, INTERPRETED)
+        w_words += 8 * STEP_BLOCKS  # two steps
+        x_words += TOKENS * 16 * STEP_BLOCKS
+        scale_words += TOKENS * STEP_BLOCKS
+        w_exps += 2 * STEP_BLOCKS
+        even = _load_step(w_words, x_words, scale_words, w_exps, 0, K, TOKENS, STEP_BLOCKS)
+        sums = _add_step(sums, odd, STEP_BLOCKS, INTERPRETED)
+    if steps % 2 == 0:  # one step after the last even one
+        odd = _load_step(w_words, x_words, scale_words, w_exps, STEP_BLOCKS, K, TOKENS, STEP_BLOCKS)
+        sums = _add_step(sums, even, STEP_BLOCKS, INTERPRETED)
+        sums = _add_step(sums, odd, STEP_BLOCKS, INTERPRETED)
+    else:
+        sums = _add_step(sums, even, STEP_BLOCKS, INTERPRETED)
     a0, a1, a2, a3, b0, b1, b2, b3 = sums
 
     # 3. each lane's eight sums to their places: [splits, M, width] fp32 partials or the bf16 output
