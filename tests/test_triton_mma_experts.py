@@ -16,7 +16,8 @@ import torch
 triton = pytest.importorskip("triton")
 
 from model.config import WeightFormat  # noqa: E402
-from model.kernels import ExpertWeights, tile_configs, triton_mma_experts, triton_split_sums  # noqa: E402
+from model.kernels import ExpertWeights, QuantizedWeight, tile_configs, triton_split_sums  # noqa: E402
+from model.kernels import triton_mma_experts  # noqa: E402
 from model.kernels.fp4_fragments import fragment_column_order, to_fragments  # noqa: E402
 from model.kernels.reference import ReferenceKernels  # noqa: E402
 from model.kernels.triton_mma_experts import mma_experts  # noqa: E402
@@ -126,6 +127,14 @@ def test_rejects_experts_it_does_not_read():
     gen = torch.Generator().manual_seed(0)
     rows = _experts(2, 64, 64, gen, fragments=False)
     assert not triton_mma_experts.takes(rows)
+    experts = _experts(2, 128, 128, gen)
+    assert triton_mma_experts.takes(experts)
+    buffer = torch.empty(experts.w2.values.numel() + 4, dtype=torch.uint8)
+    shifted = buffer[4:].view(experts.w2.values.shape)  # a view starting off an 8-byte boundary
+    shifted.copy_(experts.w2.values.view(torch.uint8))
+    experts.w2 = QuantizedWeight(shifted.view(experts.w2.values.dtype), experts.w2.scales, experts.w2.fmt,
+                                 fragments=True)
+    assert not triton_mma_experts.takes(experts)
     with pytest.raises(ValueError, match="fragment layout"):
         mma_experts(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int64),
                     torch.zeros(1, dtype=torch.int64), torch.ones(1), rows)

@@ -329,9 +329,11 @@ def _down_kernel(h_ptr, out_ptr, sorted_pair_ptr, expert_start_ptr, expert_count
 
 def takes(experts: ExpertWeights) -> bool:
     """Whether these experts are in the layout and shapes the kernels read: FP4 fragments, D and the
-    intermediate width whole 64-row groups and 64-column steps."""
+    intermediate width whole 64-row groups and 64-column steps, the words 8-byte and the scale pairs
+    2-byte aligned (a view into a larger buffer may start anywhere)."""
     weights = (experts.w1, experts.w3, experts.w2)
-    if not all(isinstance(w, QuantizedWeight) and w.fragments for w in weights):
+    if not all(isinstance(w, QuantizedWeight) and w.fragments and w.values.data_ptr() % 8 == 0
+               and w.scales.data_ptr() % 2 == 0 for w in weights):
         return False
     inter, d = experts.w1.out_features, experts.w1.in_features
     return inter % STEP == 0 and d % ROWS_PER_WARP == 0  # (whole steps of K both ways; w2's row groups)
