@@ -21,7 +21,8 @@ bound, from CUDA events alone, on the GPU's idle time between decode steps.
 
 The limit of a step is what the device must at least do: read every weight the step touches once
 (the dense weights, the head and the expected number of distinct routed experts hit by
-``batch * top_k`` uniformly routed pairs, in their checkpoint formats) plus the KV entries it
+``batch * top_k`` uniformly routed pairs, in their checkpoint formats; the dummy routers' zero biases
+spread a batch that way, ``model/dummy_weights.py``) plus the KV entries it
 attends to, at the bandwidth measured here; and the step's matrix FLOPs at the bf16 tensor-core
 rate measured here (both by ``benchmarks/device_limits.py``, as for ``benchmarks/kernels.py``).
 ``limit = max(bytes / bandwidth, flops / peak)``, per GPU: with ``--dp N`` each GPU holds 1/N of

@@ -11,6 +11,13 @@ order, or on several ranks, and a name always gives the same values on one kind 
 and CUDA generators differ). A quantized weight and its scale are drawn together; the half not
 asked for yet waits in a small cache until it is fetched, so memory is never held twice.
 
+The routers' biases are zero, not drawn: a trained router's bias is what balances its experts'
+load, and a random one (make-checkpoint's, std 0.5 against scores that vary by ~0.1 between tokens)
+sends every token to the same few experts: 22-31 of the 384 for a batch of 64 tokens at the
+real widths, where a load-balanced router spreads them over ~240 (as uniform routing does). With
+zero biases the random gate weights alone choose, and a batch's tokens spread like uniform routing
+(``tests/test_dummy_weights.py``), so a decode step reads the expert weights a served model reads.
+
 Real-size Engram tables (~197 GB) cannot be made up: build ``cfg`` with
 ``presets.shrink_engram_config`` (or ``shrink_engram`` on the text config) first, and give the
 model and this reader the same shrunk config.
@@ -70,6 +77,8 @@ class DummyCheckpointReader:
         waiting = self._waiting.pop(name, None)
         if waiting is not None:
             return waiting
+        if spec.kind == "gate_bias":  # a load-balanced router's (the module's docstring)
+            return torch.zeros(spec.shape, dtype=torch.float32, device=self.device)
         weight_name = name.removesuffix(".scale") + ".weight" if spec.kind == "scale" else name
         gen = torch.Generator(device=self.device).manual_seed(tensor_seed(self.seed, weight_name))
         values, scale = random_tensor(weight_name, self._specs[weight_name], gen, packed_fp4_codes=True)

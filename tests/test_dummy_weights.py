@@ -96,3 +96,24 @@ def test_real_width_shapes_without_allocating_the_model() -> None:
     assert reader.get("layers.3.ffn.experts.383.w1.scale").shape == (2304, 160)
     table = reader.get("layers.2.engram.embed.weight")
     assert table.shape == (cfg.engram_num_embeddings[1], 256) and table.dtype == torch.float8_e4m3fn
+
+
+def test_the_dummy_routers_spread_a_batch_like_uniform_routing() -> None:
+    """Zero router biases (the module's docstring): at the real widths, 64 tokens of unit-RMS hidden
+    states through a layer's ``ffn_norm`` and router hit about as many distinct experts as uniform
+    routing would (~244 of 384); make-checkpoint's random biases would send them to ~30."""
+    from model.routing import RoutingRule, route
+
+    cfg = shrink_engram_config(V41Config.from_hf_dict(preset_config("v41-flash-L8", train_tokenizer(129280))), 300)
+    reader = DummyCheckpointReader(cfg, "cpu")
+    bias = reader.get("layers.3.ffn.gate.bias")
+    assert bias.dtype == torch.float32 and bias.shape == (384,) and not bias.any()
+    weight = reader.get("layers.3.ffn.gate.weight").float()
+    norm = reader.get("layers.3.ffn_norm.weight").float()
+    h = torch.randn(64, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    x = (h / h.pow(2).mean(-1, keepdim=True).sqrt() * norm).bfloat16().float()
+    rule = RoutingRule(6, "sqrtsoftplus", True, 1.5, 1.0)
+    uniform = 384 * (1 - (1 - 6 / 384) ** 64)
+    assert route(x @ weight.T, bias, rule)[1].unique().numel() > 0.9 * uniform
+    skewed = torch.randn(384, generator=torch.Generator().manual_seed(1)) * 0.5  # make-checkpoint's statistics
+    assert route(x @ weight.T, skewed, rule)[1].unique().numel() < 0.3 * uniform
