@@ -87,7 +87,8 @@ class EngineConfig:
         default_help="triton on cuda, reference on cpu"))
     load_format: str = field(default="auto", metadata=flag(
         "auto: the checkpoint's safetensors files; dummy: random weights in their storage formats made on "
-        "the device (the directory needs only config.json and a tokenizer: make-checkpoint --config-only)",
+        "the device, the routers' biases zero so that tokens spread over the experts as in a load-balanced "
+        "model (the directory needs only config.json and a tokenizer: make-checkpoint --config-only)",
         choices=("auto", "dummy")))
     seed: int | None = field(default=None, metadata=flag(
         "seed of the generator that draws the sampling seed of each request that gives none: the same "
