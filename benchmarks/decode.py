@@ -62,7 +62,7 @@ from engine_core.protocol import SamplingParams  # noqa: E402
 from frontend.llm import LLM  # noqa: E402
 from model.cache_formats import COMPRESSED_KV, INDEX_KEYS, WINDOW_KV  # noqa: E402
 from model.config import V41Config  # noqa: E402
-from model.kernels import tile_configs, triton_mma_gemv  # noqa: E402
+from model.kernels import tile_configs  # noqa: E402
 from model.loader import checkpoint_bytes, held_weight_bytes  # noqa: E402
 from model.weight_spec import checkpoint_tensors  # noqa: E402
 
@@ -296,11 +296,10 @@ def main() -> int:
     parser.add_argument("--preset", default="v41-flash-L8")
     parser.add_argument("--kernels", default="triton,triton-eager,reference",
                         help="backends to run; suffixes: -bi turns --batch-invariant on, -eager turns CUDA graphs "
-                             "off (--enforce-eager), -nozos zero-overhead scheduling off (--no-zos), -tc the FP8 "
-                             "products of 1-8 tokens onto the tensor-core matrix-vector kernel (triton_mma_gemv), "
-                             "-tcx the routed experts of steps with at most 8 pairs per expert on average onto "
-                             "the tensor cores fed from registers (triton_mma_experts; both: in-process engine "
-                             "only) for that run")
+                             "off (--enforce-eager), -nozos zero-overhead scheduling off (--no-zos), -notc the FP8 "
+                             "products of 2-8 tokens back on the decode form instead of the tensor cores fed from "
+                             "registers (triton_mma_gemv), -notcx the routed experts on triton_moe instead of "
+                             "triton_mma_experts (both: in-process engine only) for that run")
     parser.add_argument("--batch", default="1,8,32,128,256", help="sequences per DP rank")
     parser.add_argument("--dp", type=int, default=1,
                         help="data-parallel ranks (one GPU each, experts sharded): batch sizes are per rank")
@@ -341,11 +340,10 @@ def main() -> int:
     for variant in args.kernels.split(","):
         kernels, *suffixes = variant.split("-")
         batch_invariant, eager, zos = "bi" in suffixes, "eager" in suffixes, "nozos" not in suffixes
-        if ("tc" in suffixes or "tcx" in suffixes) and args.dp != 1:
-            parser.error("-tc and -tcx set tile tables of this process: they need the in-process engine (--dp 1)")
-        tile_configs.MMA_GEMV_MAX_TOKENS = (triton_mma_gemv.MAX_TOKENS if "tc" in suffixes
-                                            else default_tensor_core_tokens)
-        tile_configs.MMA_EXPERTS_MAX_PAIRS = 8.0 if "tcx" in suffixes else default_tensor_core_pairs
+        if ("notc" in suffixes or "notcx" in suffixes) and args.dp != 1:
+            parser.error("-notc and -notcx set tile tables of this process: they need the in-process engine (--dp 1)")
+        tile_configs.MMA_GEMV_MAX_TOKENS = 0 if "notc" in suffixes else default_tensor_core_tokens
+        tile_configs.MMA_EXPERTS_MAX_PAIRS = 0.0 if "notcx" in suffixes else default_tensor_core_pairs
         runnable = [b for b in batches if kernels != "reference" or b <= args.reference_max_batch]
         if not runnable:
             continue

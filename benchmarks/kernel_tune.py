@@ -82,7 +82,7 @@ def run_tune(bench, ms: list[int]) -> None:
             limit_s = limit_of(nbytes, flops, bench.ceil)[2]
             if m > bench.tk_decode_max:
                 table, cfgs, default = "bf16", prefill_cfgs, tables.bf16_mm_config(m)
-            elif m <= min(tables.MMA_GEMV_MAX_TOKENS, triton_mma_gemv.MAX_TOKENS):  # the tensor-core form
+            elif tables.MMA_GEMV_MIN_TOKENS <= m <= min(tables.MMA_GEMV_MAX_TOKENS, triton_mma_gemv.MAX_TOKENS):
                 table, cfgs, default = "mma_gemv", mma_cfgs, tables.mma_gemv_config(m)
             elif m <= triton_gemv.MAX_TOKENS:  # the backend's one-token form (not in the batch-invariant mode)
                 table, cfgs, default = "gemv", gemv_cfgs, tables.gemv_config(m)
@@ -102,16 +102,24 @@ def run_tune(bench, ms: list[int]) -> None:
         nbytes = hit * bench.expert_bytes() + m * bench.s.dim * 2 + pairs * bench.s.dim * 2
         limit_s = limit_of(nbytes, 6.0 * pairs * bench.s.inter * bench.s.dim, bench.ceil)[2]
         default = tables.moe_config(pairs / bench.s.experts)
+        takes_mma = triton_mma_experts.takes(bench.experts)
+        on_mma = takes_mma and pairs <= tables.MMA_EXPERTS_MAX_PAIRS * bench.s.experts  # the backend's form now
         _sweep(bench, "moe.experts", m, limit_s, default, moe_cfgs if m <= DECODE_MAX_M else moe_prefill_cfgs, "moe",
-               lambda i: bench.tk.expert_outputs(*sets[i % len(sets)], bench.experts), budget)
-        if pairs <= triton_mma_experts.MAX_PAIRS * bench.s.experts and triton_mma_experts.takes(bench.experts):
-            _sweep(bench, "moe.experts", m, limit_s, default, mma_experts_cfgs, "mma_experts",
+               lambda i: bench.tk.expert_outputs(*sets[i % len(sets)], bench.experts), budget, exact=not on_mma)
+        if takes_mma and pairs <= triton_mma_experts.MAX_PAIRS * bench.s.experts:
+            _sweep(bench, "moe.experts", m, limit_s, tables.mma_experts_config(pairs / bench.s.experts),
+                   mma_experts_cfgs, "mma_experts",
                    lambda i: bench.tk.expert_outputs(*sets[i % len(sets)], bench.experts), budget)
         del sets
         bench._cleanup(big=False)
 
 
-def _sweep(bench, name, m, limit_s, default, cfgs, table, call, budget) -> None:
+def _sweep(bench, name, m, limit_s, default, cfgs, table, call, budget, exact: bool | None = None) -> None:
+    """Time ``call`` under each config of ``table`` against the backend as it is (its output the base);
+    ``exact``: outputs must equal the base bit for bit (default: for the batch-invariant tables, whose
+    configs sum K in the same steps), else within ``MAX_REL_ERR``."""
+    if exact is None:
+        exact = table in ("moe", "bf16")
     base = call(0)
     base_s = bench.measure_triton(call, budget, True).median_s
     entry = {"kernel": name, "table": table, "m": m, "default": asdict(default), "default_s": base_s, "limit_s": limit_s,
@@ -125,7 +133,7 @@ def _sweep(bench, name, m, limit_s, default, cfgs, table, call, budget) -> None:
             except Exception as exc:  # e.g. out of shared memory
                 entry["configs"].append({"config": asdict(cfg), "error": f"{type(exc).__name__}: {exc}"[:200]})
                 continue
-        if table not in ("moe", "bf16"):  # another split: another summation order
+        if not exact:  # another split or kernel: another summation order
             err = rel_err(out, base)
             entry["configs"].append({"config": asdict(cfg), "s": t, "rel_err_to_default": err})
             if not err <= MAX_REL_ERR:
@@ -147,14 +155,14 @@ def _sweep(bench, name, m, limit_s, default, cfgs, table, call, budget) -> None:
 def override_tables(moe=None, decode=None, fp8_decode=None, bf16=None, gemv=None, mma_gemv=None, mma_experts=None):
     """Every M takes ``moe`` / ``decode`` / ``fp8_decode`` / ``bf16`` / ``gemv`` / ``mma_gemv`` /
     ``mma_experts`` while inside (the tables are read at each call); ``mma_gemv`` and ``mma_experts`` also
-    turn their tensor-core kernels on for every size they take."""
+    turn their tensor-core kernels on for every size they take, ``moe`` turns ``triton_mma_experts`` off."""
     tables = _tables()
     names = {"moe": "_MOE_TABLE", "decode": "_DECODE_MM_TABLE", "fp8_decode": "_FP8_DECODE_TABLE",
              "bf16": "_BF16_MM_TABLE", "gemv": "_GEMV_TABLE", "mma_gemv": "_MMA_GEMV_TABLE",
              "mma_experts": "_MMA_EXPERTS_TABLE"}
     chosen = {"moe": moe, "decode": decode, "fp8_decode": fp8_decode, "bf16": bf16, "gemv": gemv,
               "mma_gemv": mma_gemv, "mma_experts": mma_experts}
-    switches = ["MMA_GEMV_MAX_TOKENS", "MMA_EXPERTS_MAX_PAIRS"]
+    switches = ["MMA_GEMV_MIN_TOKENS", "MMA_GEMV_MAX_TOKENS", "MMA_EXPERTS_MAX_PAIRS"]
     saved = {attr: getattr(tables, attr) for attr in [*names.values(), *switches]}
     try:
         for key, cfg in chosen.items():
@@ -163,9 +171,11 @@ def override_tables(moe=None, decode=None, fp8_decode=None, bf16=None, gemv=None
         if mma_gemv is not None:
             from model.kernels import triton_mma_gemv  # (imported late, as in _tables)
 
-            tables.MMA_GEMV_MAX_TOKENS = triton_mma_gemv.MAX_TOKENS
+            tables.MMA_GEMV_MIN_TOKENS, tables.MMA_GEMV_MAX_TOKENS = 1, triton_mma_gemv.MAX_TOKENS
         if mma_experts is not None:
             tables.MMA_EXPERTS_MAX_PAIRS = float("inf")
+        if moe is not None:  # the configs of triton_moe: its kernels, whatever the backend takes by default
+            tables.MMA_EXPERTS_MAX_PAIRS = 0.0
         yield
     finally:
         for attr, table in saved.items():

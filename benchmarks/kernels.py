@@ -75,8 +75,9 @@ for bit: the experts' kernels are batch invariant), by
 overriding ``model.kernels.tile_configs`` tables for the duration of each measurement, and prints
 the best config per (kernel, M) and the best single config per M (``benchmarks/kernel_tune.py``).
 
-``--tensor-core-tokens N`` lets the FP8 products of at most N tokens take ``triton_mma_gemv`` (the
-default is ``tile_configs.MMA_GEMV_MAX_TOKENS``): the same run with 0 and 8 compares the two.
+``--tensor-core-tokens N`` lets the FP8 products of ``tile_configs.MMA_GEMV_MIN_TOKENS`` (2) to N tokens
+take ``triton_mma_gemv`` (the default N is ``tile_configs.MMA_GEMV_MAX_TOKENS``): the same run with 0 and
+8 compares it with the decode form.
 ``--tensor-core-experts X`` lets the routed experts of at most X pairs per expert on average take
 ``triton_mma_experts`` (default ``tile_configs.MMA_EXPERTS_MAX_PAIRS``); ``--kernels moe`` with 0 and 8
 compares the two at the decode sizes (uniform routing: 0.016 / 0.125 / 1 / 4 pairs per expert at
@@ -452,7 +453,7 @@ def parse_args(argv=None):
     p.add_argument("--expert-rows", action="store_true",
                    help="keep the FP4 experts in the checkpoint's row layout (the kernels' other path)")
     p.add_argument("--tensor-core-tokens", type=int, default=None,
-                   help="FP8 products of at most this many tokens take the tensor-core matrix-vector kernel "
+                   help="FP8 products of 2 to this many tokens take the tensor-core matrix-vector kernel "
                         "(triton_mma_gemv; 0: none; default: tile_configs.MMA_GEMV_MAX_TOKENS)")
     p.add_argument("--tensor-core-experts", type=float, default=None,
                    help="routed experts with at most this many pairs per expert on average take the tensor-core "

@@ -104,11 +104,11 @@ def test_grouped_unquantized_matches_reference(monkeypatch, m):
     assert_close_to_reference(got.view(m, 3, 64).cpu(), ref)
 
 
-def test_backend_takes_it_up_to_its_token_count(monkeypatch):
-    """With ``MMA_GEMV_MAX_TOKENS`` set, the backend's products of 1..N tokens (one weight, a pair, the
-    grouped ``wo_a``) take this kernel, equal to calling it directly; at N + 1 tokens, and in the
-    batch-invariant mode, the other forms. Left at 0 (its value until the kernel is measured on a GPU),
-    nothing takes it."""
+def test_backend_takes_it_from_two_tokens_up_to_its_token_count(monkeypatch):
+    """The backend's products of ``MMA_GEMV_MIN_TOKENS`` (2) to ``MMA_GEMV_MAX_TOKENS`` tokens (one
+    weight, a pair, the grouped ``wo_a``) take this kernel, equal to calling it directly; one token
+    keeps ``triton_gemv`` (faster there on one H200); above the maximum, in the batch-invariant mode,
+    and with the maximum at 0, the other forms."""
     from model.kernels.triton_backend import TritonKernels
 
     _config(monkeypatch, 2, 4)
@@ -119,12 +119,15 @@ def test_backend_takes_it_up_to_its_token_count(monkeypatch):
     calls = []
     real = triton_mma_gemv.fp8_mma_gemv
     monkeypatch.setattr(triton_mma_gemv, "fp8_mma_gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
-    assert tile_configs.MMA_GEMV_MAX_TOKENS == 0
+    # the measured bounds (docs/benchmarks.md)
+    assert (tile_configs.MMA_GEMV_MIN_TOKENS, tile_configs.MMA_GEMV_MAX_TOKENS) == (2, 8)
     kernels = TritonKernels()
-    kernels.quantized_linear(x[:1], weights[0])
-    assert calls == []
+    monkeypatch.setattr(tile_configs, "MMA_GEMV_MAX_TOKENS", 0)
+    kernels.quantized_linear(x[:2], weights[0])
     monkeypatch.setattr(tile_configs, "MMA_GEMV_MAX_TOKENS", 3)
-    for rows in (x[:1], x[:3]):
+    kernels.quantized_linear(x[:1], weights[0])  # one token: triton_gemv
+    assert calls == []
+    for rows in (x[:2], x[:3]):
         calls.clear()
         one = kernels.quantized_linear(rows, weights[0])
         pair = kernels.quantized_linears(rows, weights)
@@ -135,7 +138,7 @@ def test_backend_takes_it_up_to_its_token_count(monkeypatch):
         assert wo_a.shape == (rows.shape[0], 2, 64)
     calls.clear()
     kernels.quantized_linear(x, weights[0])  # 4 tokens: the decode form
-    TritonKernels(batch_invariant=True).quantized_linear(x[:1], weights[0])
+    TritonKernels(batch_invariant=True).quantized_linear(x[:2], weights[0])
     # a weight whose bytes start off an 8-byte boundary (a view into a larger buffer): the other forms
     buffer = torch.empty(64 * 256 + 4, dtype=torch.uint8, device=device())
     shifted = buffer[4:].view(64, 256)

@@ -128,11 +128,13 @@ def gemv_config(m: int) -> DecodeConfig:
     return _pick(_GEMV_TABLE, m)
 
 
-# The FP8 products of at most this many tokens take ``triton_mma_gemv`` (the tensor cores fed from
-# registers) outside the batch-invariant mode; 0: none does. It stays 0 until the kernel has been run
-# and timed against ``triton_gemv`` and the decode form on a GPU (``benchmarks/kernels.py
-# --tensor-core-tokens 8``; docs/benchmarks.md): it is written and compiled for sm_90, not yet measured
-MMA_GEMV_MAX_TOKENS = 0
+# The FP8 products of MMA_GEMV_MIN_TOKENS to MMA_GEMV_MAX_TOKENS tokens take ``triton_mma_gemv`` (the tensor
+# cores fed from registers) outside the batch-invariant mode. A layer's FP8 projections in one CUDA graph
+# on one H200 (``benchmarks/kernels.py --tensor-core-tokens 0`` / ``8``; docs/benchmarks.md): at 2 / 4 / 8
+# tokens 99.8 / 102.8 / 127.1 us instead of the decode form's 128.1 / 130.8 / 134.2 us; at one token
+# 98.9 us against ``triton_gemv``'s 74.2 us, so one token keeps ``triton_gemv``
+MMA_GEMV_MIN_TOKENS = 2
+MMA_GEMV_MAX_TOKENS = 8
 
 # (largest M, config): ``triton_mma_gemv``. ``block_w`` is the program's weight rows (32 per warp,
 # ``num_warps`` warps), ``block_k`` its loop step, one or two 32-column blocks (its splits are whole
@@ -150,17 +152,20 @@ def mma_gemv_config(m: int) -> DecodeConfig:
 
 # The routed experts take ``triton_mma_experts`` (the tensor cores fed from registers, blocks of 8 pairs)
 # outside the batch-invariant mode while a step has at most this many pairs per expert on average; 0:
-# never. It stays 0 until the kernels have been run and timed against ``triton_moe`` on a GPU
-# (``benchmarks/kernels.py --kernels moe --tensor-core-experts 8``; docs/benchmarks.md): they are
-# written and compiled for sm_90, not yet measured
-MMA_EXPERTS_MAX_PAIRS = 0.0
+# never. On one H200 (``benchmarks/kernels.py --kernels moe --tensor-core-experts 0`` / ``8``, 384
+# experts, uniform routing; docs/benchmarks.md) they took 52.2 / 270.6 / 1,256 / 1,995 us at 1 / 8 / 64 /
+# 256 tokens (0.016 to 4 pairs per expert) where ``triton_moe`` took 64.8 / 331.1 / 1,593 / 2,455 us;
+# more pairs per expert were not measured
+MMA_EXPERTS_MAX_PAIRS = 4.0
 
 # (mean pairs per expert, config): ``triton_mma_experts``. ``num_warps`` warps per program (each 32 rows
 # of w1 and w3, or 64 of w2), K split until there are ``programs_per_sm`` programs per SM; ``block_w``
 # and ``block_k`` are set by the kernels (their rows per program, one 64-column step). A starting point
 # for the sweep: a warp keeps ~2.5 KB of loads in flight (four groups' words and scales one step ahead),
 # so 4 programs of 4 warps per SM hold ~40 KB, past the ~25 KB an SM needs at full bandwidth (at the 96
-# registers per thread the GPU's Triton 3.6 gives both kernels, 5 such programs fit)
+# registers per thread the GPU's Triton 3.6 gives both kernels, 5 such programs fit). The sweep on one
+# H200 (1-8 warps x 2-16 programs per SM) found nothing faster at one token and within 0.5% / 2.4% at
+# 64 / 256 tokens
 _MMA_EXPERTS_TABLE: tuple[tuple[float, DecodeConfig], ...] = (
     (1 << 62, DecodeConfig(128, 64, 4, 1, 4)),
 )

@@ -42,11 +42,11 @@ from .weights import ExpertWeights, QuantizedWeight
 class TritonKernels(KernelBackend):
     """``batch_invariant``: every product in its prefill form, whose rows never depend on M (see
     ``triton_bf16_mm``); otherwise the FP8 products of one token take the matrix-vector form
-    (``triton_gemv``, two projections of one input in one launch; ``triton_mma_gemv`` on the tensor
-    cores up to ``tile_configs.MMA_GEMV_MAX_TOKENS`` tokens, once measured) and those of at most
-    ``decode_mm.MAX_TOKENS`` rows the split-K decode form (``triton_decode_mm``); the routed experts of
-    a step with few pairs per expert may take ``triton_mma_experts`` (``tile_configs.MMA_EXPERTS_MAX_PAIRS``,
-    once measured), all others ``triton_moe``. The sparse attention is one launch per layer
+    (``triton_gemv``, two projections of one input in one launch), those of 2-8 tokens the tensor cores
+    fed from registers (``triton_mma_gemv``: ``tile_configs.MMA_GEMV_MIN_TOKENS`` to ``MAX_TOKENS``) and
+    the others of at most ``decode_mm.MAX_TOKENS`` rows the split-K decode form (``triton_decode_mm``);
+    the routed experts of a step with up to ``tile_configs.MMA_EXPERTS_MAX_PAIRS`` pairs per expert take
+    ``triton_mma_experts``, all others ``triton_moe``. The sparse attention is one launch per layer
     (``triton_sparse_attention``), where its torch twin takes ~120 small kernels; mHC's coefficients
     take two (``triton_hc_coefficients``) instead of ~140; RMSNorm, RoPE, the FP8/FP4 round trips,
     mHC's collapse and expand, the shared expert's SwiGLU and the MoE's routing and expert sum one each; the
@@ -66,13 +66,13 @@ class TritonKernels(KernelBackend):
 
     def _matrix_vector(self, m: int, *weights: QuantizedWeight):
         """The matrix-vector kernel that takes these FP8 weights' products of ``m`` tokens (outside the
-        batch-invariant mode): ``triton_mma_gemv`` up to ``tile_configs.MMA_GEMV_MAX_TOKENS`` tokens,
-        ``triton_gemv`` at one; None: the decode or prefill form."""
+        batch-invariant mode): ``triton_mma_gemv`` from ``tile_configs.MMA_GEMV_MIN_TOKENS`` to
+        ``MMA_GEMV_MAX_TOKENS`` tokens, ``triton_gemv`` at one; None: the decode or prefill form."""
         if self.batch_invariant or m < 1 or not all(
                 w.fmt is WeightFormat.FP8 and triton_gemv.fits(w.values, w.scales) for w in weights):
             return None
-        if m <= min(tile_configs.MMA_GEMV_MAX_TOKENS, triton_mma_gemv.MAX_TOKENS) and all(
-                w.values.data_ptr() % 8 == 0 for w in weights):  # (8-byte loads; a view may start anywhere)
+        if tile_configs.MMA_GEMV_MIN_TOKENS <= m <= min(tile_configs.MMA_GEMV_MAX_TOKENS, triton_mma_gemv.MAX_TOKENS) \
+                and all(w.values.data_ptr() % 8 == 0 for w in weights):  # (8-byte loads; a view may start anywhere)
             return triton_mma_gemv.fp8_mma_gemv
         return triton_gemv.fp8_gemv if m <= triton_gemv.MAX_TOKENS else None
 
