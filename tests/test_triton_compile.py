@@ -120,6 +120,12 @@ def main() -> int:
             problems += inspect(kernel)
         print(f"{label}: {', '.join(problems) or 'ok'}")
 
+    def register_fed(warps: int, instruction: str):
+        """The checks of a kernel that feeds the tensor cores from registers: one element per thread in
+        its lane tensors, and its m16n8k16 instruction in the SASS."""
+        return lambda kernel: _lane_tensors_problems(kernel.asm["ttgir"], warps) + (
+            [] if instruction in kernel.asm["sass"] else ["no m16n8k16 tensor-core instruction"])
+
     def scalars(names: str) -> dict[str, str]:
         return {name: "i32" for name in names.split()}
 
@@ -207,29 +213,19 @@ def main() -> int:
                    "QUANTIZE": quantize, "PARTIAL": partial, "INTERPRETED": False}, cfg, wgmma=False,
                   aligned=("x_ptr", "w_ptr", "s_ptr", "w2_ptr", "s2_ptr", "out_ptr", "part_ptr", "act_ptr",
                            "act_scale_ptr", "N", "N2", "stride_x", "k_per_split", "width"),
-                  spill_free=True,
-                  inspect=lambda kernel, warps=cfg.num_warps: _lane_tensors_problems(kernel.asm["ttgir"], warps)
-                  + ([] if "HMMA.16816.F32" in kernel.asm["sass"] else ["no m16n8k16 tensor-core instruction"]))
-    experts_index = {name: "*i64" for name in ("pair_token_ptr", "sorted_pair_ptr", "expert_start_ptr",
-                                                "expert_count_ptr", "block_expert_ptr", "block_index_ptr")}
+                  spill_free=True, inspect=register_fed(cfg.num_warps, "HMMA.16816.F32"))
     experts_cfg = tile_configs._MMA_EXPERTS_TABLE[0][1]
-    for cfg in (experts_cfg, replace(experts_cfg, num_warps=1)):
-        lanes = (lambda kernel, warps=cfg.num_warps: _lane_tensors_problems(kernel.asm["ttgir"], warps)
-                 + ([] if "HMMA.16816.F32.BF16" in kernel.asm["sass"] else ["no m16n8k16 tensor-core instruction"]))
+    for cfg in (experts_cfg, replace(experts_cfg, num_warps=1)):  # (the check ignores types a kernel lacks)
         experts_sizes = {"D": 5120, "INTER": 2304, "WARPS": cfg.num_warps, "INTERPRETED": False}
-        check(f"mma_experts gate_up {cfg}", triton_mma_experts._gate_up_kernel,
-              {"x_ptr": "*bf16", "pair_weight_ptr": "*fp32", "h_ptr": "*bf16", "part_ptr": "*fp32",
-               "counter_ptr": "*i32", "limit": "fp32", **experts_index,
-               **{name: "*u8" for name in ("w1_ptr", "s1_ptr", "w3_ptr", "s3_ptr")},
-               **scalars("P stride_we stride_se steps_per_split splits")},
-              experts_sizes, cfg, wgmma=False, spill_free=True, inspect=lanes,
+        experts_types = {"x_ptr": "*bf16", "pair_weight_ptr": "*fp32", "h_ptr": "*bf16", "out_ptr": "*bf16",
+                         "part_ptr": "*fp32", "counter_ptr": "*i32", "limit": "fp32", **index, **weights,
+                         **scalars("P stride_we stride_se steps_per_split splits")}
+        lanes = register_fed(cfg.num_warps, "HMMA.16816.F32.BF16")
+        check(f"mma_experts gate_up {cfg}", triton_mma_experts._gate_up_kernel, experts_types, experts_sizes, cfg,
+              wgmma=False, spill_free=True, inspect=lanes,
               aligned=("x_ptr", "h_ptr", "part_ptr", "w1_ptr", "s1_ptr", "w3_ptr", "s3_ptr", "stride_we", "stride_se"))
         for partial in (False, True):
-            check(f"mma_experts down partial={partial} {cfg}", triton_mma_experts._down_kernel,
-                  {"h_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32",
-                   **{name: "*i64" for name in ("sorted_pair_ptr", "expert_start_ptr", "expert_count_ptr",
-                                                "block_expert_ptr", "block_index_ptr")},
-                   "w2_ptr": "*u8", "s2_ptr": "*u8", **scalars("P stride_we stride_se steps_per_split splits")},
+            check(f"mma_experts down partial={partial} {cfg}", triton_mma_experts._down_kernel, experts_types,
                   {**experts_sizes, "PARTIAL": partial}, cfg, wgmma=False, spill_free=True, inspect=lanes,
                   aligned=("h_ptr", "out_ptr", "part_ptr", "w2_ptr", "s2_ptr", "stride_we", "stride_se"))
     for same in (False, True):
