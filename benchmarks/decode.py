@@ -299,7 +299,8 @@ def main() -> int:
                              "off (--enforce-eager), -nozos zero-overhead scheduling off (--no-zos), -notc the FP8 "
                              "products of 2-8 tokens back on the decode form instead of the tensor cores fed from "
                              "registers (triton_mma_gemv), -notcx the routed experts on triton_moe instead of "
-                             "triton_mma_experts (both: in-process engine only) for that run")
+                             "triton_mma_experts, -tc1 one token's FP8 products on triton_mma_gemv too instead of "
+                             "triton_gemv (these three: in-process engine only) for that run")
     parser.add_argument("--batch", default="1,8,32,128,256", help="sequences per DP rank")
     parser.add_argument("--dp", type=int, default=1,
                         help="data-parallel ranks (one GPU each, experts sharded): batch sizes are per rank")
@@ -336,13 +337,16 @@ def main() -> int:
     batches = [int(b) for b in args.batch.split(",")]
     rows = []
     default_tensor_core_tokens = tile_configs.MMA_GEMV_MAX_TOKENS
+    default_tensor_core_min_tokens = tile_configs.MMA_GEMV_MIN_TOKENS
     default_tensor_core_pairs = tile_configs.MMA_EXPERTS_MAX_PAIRS
     for variant in args.kernels.split(","):
         kernels, *suffixes = variant.split("-")
         batch_invariant, eager, zos = "bi" in suffixes, "eager" in suffixes, "nozos" not in suffixes
-        if ("notc" in suffixes or "notcx" in suffixes) and args.dp != 1:
-            parser.error("-notc and -notcx set tile tables of this process: they need the in-process engine (--dp 1)")
+        if {"notc", "notcx", "tc1"} & set(suffixes) and args.dp != 1:
+            parser.error("-notc, -notcx and -tc1 set tile tables of this process: they need the in-process engine "
+                         "(--dp 1)")
         tile_configs.MMA_GEMV_MAX_TOKENS = 0 if "notc" in suffixes else default_tensor_core_tokens
+        tile_configs.MMA_GEMV_MIN_TOKENS = 1 if "tc1" in suffixes else default_tensor_core_min_tokens
         tile_configs.MMA_EXPERTS_MAX_PAIRS = 0.0 if "notcx" in suffixes else default_tensor_core_pairs
         runnable = [b for b in batches if kernels != "reference" or b <= args.reference_max_batch]
         if not runnable:

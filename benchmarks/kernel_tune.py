@@ -43,10 +43,10 @@ def run_tune(bench, ms: list[int]) -> None:
     gemv_cfgs = [tables.DecodeConfig(bw, bk, warps, 1, pps) for bw in (16, 32) for bk in (128, 256, 512)
                  for warps in (2, 4, 8) for pps in (4, 8)]
     # a few tokens' FP8 products on the tensor cores fed from registers (triton_mma_gemv): 32 weight rows per
-    # warp, 1-8 warps, one or two 32-column blocks per loop step, 2-16 programs per SM before split-K stops;
+    # warp, 2-8 warps, one, two or four 32-column blocks per loop step, 2-16 programs per SM before split-K stops;
     # swept against whatever the backend uses now at M <= 8 (its default), so the sweep is also the
     # head-to-head that decides MMA_GEMV_MAX_TOKENS
-    mma_cfgs = [tables.DecodeConfig(32 * warps, bk, warps, 1, pps) for warps in (1, 2, 4, 8) for bk in (32, 64)
+    mma_cfgs = [tables.DecodeConfig(32 * warps, bk, warps, 1, pps) for warps in (2, 4, 8) for bk in (32, 64, 128)
                 for pps in (2, 4, 8, 16)]
     moe_cfgs = [tables.TileConfig(bm, bn, warps, st) for bm in (16, 32) for bn in (64, 128) for warps in (4, 8)
                 for st in (2, 3, 4)]

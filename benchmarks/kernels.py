@@ -61,7 +61,7 @@ script stops with exit status 1 if any difference exceeds 1e-2 or any output is 
 ``--tune`` sweeps, at the given M values, the configs of the FP8 linears' one-token form (M = 1 outside
 ``--batch-invariant``, ``triton_gemv``: 16-32 weight rows x 128-512 K columns per step, 2-8 warps, 4 or 8
 programs per SM before split-K stops; outputs compared with the default config's within the
-tolerance), of the tensor-core matrix-vector form at M <= 8 (``triton_mma_gemv``: 1-8 warps of 32
+tolerance), of the tensor-core matrix-vector form at M <= 8 (``triton_mma_gemv``: 2-8 warps of 32
 weight rows, 2-16 programs per SM before split-K stops; swept against the backend's current form at
 that M, outputs compared within the tolerance), of their decode form (M <= 64:
 64-128 weight rows, 3-6 stages, 2-8 programs per SM before split-K stops, with or without the
@@ -77,7 +77,8 @@ the best config per (kernel, M) and the best single config per M (``benchmarks/k
 
 ``--tensor-core-tokens N`` lets the FP8 products of ``tile_configs.MMA_GEMV_MIN_TOKENS`` (2) to N tokens
 take ``triton_mma_gemv`` (the default N is ``tile_configs.MMA_GEMV_MAX_TOKENS``): the same run with 0 and
-8 compares it with the decode form.
+8 compares it with the decode form; ``--tensor-core-tokens 1-8`` also gives it one token (against
+``triton_gemv``).
 ``--tensor-core-experts X`` lets the routed experts of at most X pairs per expert on average take
 ``triton_mma_experts`` (default ``tile_configs.MMA_EXPERTS_MAX_PAIRS``); ``--kernels moe`` with 0 and 8
 compares the two at the decode sizes (uniform routing: 0.016 / 0.125 / 1 / 4 pairs per expert at
@@ -452,9 +453,10 @@ def parse_args(argv=None):
                    help="the Triton backend's batch-invariant mode (no split-K decode form)")
     p.add_argument("--expert-rows", action="store_true",
                    help="keep the FP4 experts in the checkpoint's row layout (the kernels' other path)")
-    p.add_argument("--tensor-core-tokens", type=int, default=None,
+    p.add_argument("--tensor-core-tokens", default=None,
                    help="FP8 products of 2 to this many tokens take the tensor-core matrix-vector kernel "
-                        "(triton_mma_gemv; 0: none; default: tile_configs.MMA_GEMV_MAX_TOKENS)")
+                        "(triton_mma_gemv; 0: none; default: tile_configs.MMA_GEMV_MAX_TOKENS); LO-HI: from LO "
+                        "to HI tokens (1-8: one token too)")
     p.add_argument("--tensor-core-experts", type=float, default=None,
                    help="routed experts with at most this many pairs per expert on average take the tensor-core "
                         "kernels fed from registers (triton_mma_experts; 0: none; default: "
@@ -487,7 +489,10 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernels are imported
     _import_kernels()
     if args.tensor_core_tokens is not None:
-        tile_configs.MMA_GEMV_MAX_TOKENS = args.tensor_core_tokens
+        low, _, high = args.tensor_core_tokens.rpartition("-")
+        if low:
+            tile_configs.MMA_GEMV_MIN_TOKENS = int(low)
+        tile_configs.MMA_GEMV_MAX_TOKENS = int(high)
     if args.tensor_core_experts is not None:
         tile_configs.MMA_EXPERTS_MAX_PAIRS = args.tensor_core_experts
     if device.type == "cuda":

@@ -79,19 +79,23 @@ def test_layer_graph_calls_the_projections_of_one_input_together():
 
 def test_tensor_core_tokens_puts_the_few_token_products_on_the_tensor_core_kernel(monkeypatch, tmp_path):
     """``--tensor-core-tokens N``: the run's FP8 products of 2 to N tokens take ``triton_mma_gemv``
-    (every result still checked against the reference); with 0, none does."""
+    (every result still checked against the reference); with 0, none does; ``1-8``: one token too."""
     import benchmarks.kernels as script
     from model.kernels import tile_configs, triton_mma_gemv
 
     calls = []
     real = triton_mma_gemv.fp8_mma_gemv
     monkeypatch.setattr(triton_mma_gemv, "fp8_mma_gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
-    monkeypatch.setattr(tile_configs, "MMA_GEMV_MAX_TOKENS", tile_configs.MMA_GEMV_MAX_TOKENS)  # restored after
-    common = ["--device", "cpu", "--tiny", "--quick", "--kernels", "wkv", "--no-reference", "--m", "2"]
+    for switch in ("MMA_GEMV_MIN_TOKENS", "MMA_GEMV_MAX_TOKENS"):
+        monkeypatch.setattr(tile_configs, switch, getattr(tile_configs, switch))  # restored after
+    common = ["--device", "cpu", "--tiny", "--quick", "--kernels", "wkv", "--no-reference", "--m", "1,2"]
     assert script.main(common + ["--tensor-core-tokens", "0", "--json", str(tmp_path / "off.json")]) == 0
     assert calls == []
     assert script.main(common + ["--tensor-core-tokens", "8", "--json", str(tmp_path / "on.json")]) == 0
     assert calls and set(calls) == {2}
+    calls.clear()
+    assert script.main(common + ["--tensor-core-tokens", "1-8", "--json", str(tmp_path / "one.json")]) == 0
+    assert calls and set(calls) == {1, 2}
     doc = json.loads((tmp_path / "on.json").read_text())
     assert doc["error"] is None and all(r["rel_err"] <= 1e-2 for r in doc["results"])
 

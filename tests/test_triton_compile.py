@@ -124,7 +124,7 @@ def main() -> int:
         """The checks of a kernel that feeds the tensor cores from registers: one element per thread in
         its lane tensors, and its m16n8k16 instruction in the SASS."""
         return lambda kernel: _lane_tensors_problems(kernel.asm["ttgir"], warps) + (
-            [] if instruction in kernel.asm["sass"] else ["no m16n8k16 tensor-core instruction"])
+            [] if instruction in kernel.asm["sass"] else [f"no {instruction} tensor-core instruction"])
 
     def scalars(names: str) -> dict[str, str]:
         return {name: "i32" for name in names.split()}
@@ -201,13 +201,15 @@ def main() -> int:
                   aligned=("x_ptr", "w_ptr", "s_ptr", "w2_ptr", "s2_ptr", "out_ptr", "part_ptr", "K", "k_per_split",
                            "stride_os"),
                   spill_free=True)
-    two_blocks = [replace(cfg, block_k=64) for _, cfg in tile_configs._MMA_GEMV_TABLE[:1]]  # the sweep's other step
-    for cfg in [cfg for _, cfg in tile_configs._MMA_GEMV_TABLE] + two_blocks:
+    other_steps = [replace(cfg, block_k=k) for _, cfg in tile_configs._MMA_GEMV_TABLE[:1] for k in (32, 64, 128)
+                   if k != cfg.block_k]  # the sweep's other steps
+    for cfg in [cfg for _, cfg in tile_configs._MMA_GEMV_TABLE] + other_steps:
         for tokens, quantize, partial in ((2, True, True), (2, True, False), (8, True, True), (2, False, True)):
             check(f"fp8_mma_gemv tokens={tokens} quantize={quantize} partial={partial} {cfg}",
                   triton_mma_gemv._fp8_mma_gemv_kernel,
                   {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "w2_ptr": "*u8", "s2_ptr": "*u8",
-                   "out_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32", "act_ptr": "*fp16",
+                   "out_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32",
+                   "act_ptr": "*fp16",
                    "act_scale_ptr": "*fp32", **scalars("M N N2 stride_x k_per_split splits width")},
                   {"K": 5120, "TOKENS": tokens, "WARPS": cfg.num_warps, "STEP_BLOCKS": cfg.block_k // 32,
                    "QUANTIZE": quantize, "PARTIAL": partial, "INTERPRETED": False}, cfg, wgmma=False,

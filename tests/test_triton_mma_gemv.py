@@ -42,6 +42,9 @@ def _config(monkeypatch, warps: int, programs_per_sm: int, max_splits: int = 64,
     (1, 64, 384, 2, 1, 64, 2),  # two blocks per step: 6 steps in one split
     (2, 96, 640, 1, 64, 3, 2),  # two blocks per step, splits of 4, 4 and 2 steps
     (1, 64, 96, 2, 4, 64, 2),  # K of three blocks: one block per step after all
+    (1, 64, 512, 2, 1, 64, 4),  # four blocks per step: 4 steps in one split (two loop iterations)
+    (6, 96, 1536, 1, 64, 3, 4),  # four blocks per step, splits of 4, 4 and 4 steps
+    (2, 64, 192, 2, 1, 64, 4),  # K of six blocks: two blocks per step after all
 ])
 def test_one_weight_matches_reference(monkeypatch, m, n, k, warps, programs_per_sm, max_splits, step_blocks):
     _config(monkeypatch, warps, programs_per_sm, max_splits, step_blocks=step_blocks)
@@ -170,16 +173,15 @@ def test_rejects_what_it_does_not_compute():
 # warp by ``tests/ptx_warp.py`` (each instruction with its PTX ISA meaning).
 
 def test_group_step_ptx_computes_a_blocks_sums_lane_by_lane():
-    """``_GROUP_STEP_PTX`` with each lane's operands laid out as the kernel loads them (rows g and
-    g + 8 at columns 8t..8t+7, token g's activation at the same columns, the scales of tokens 2t and
+    """``_GROUP_STEP_PTX`` with each lane's operands laid out as the kernel loads them (rows g and g + 8
+    at columns 8t..8t+7, token g's activation at the same columns, the block's scales of tokens 2t and
     2t + 1) returns, in lane (g, t), the running sums plus the block's scaled products of rows g and
     g + 8 with tokens 2t and 2t + 1."""
     gen = torch.Generator().manual_seed(0)
     finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
     weight = finite[torch.randint(0, finite.numel(), (16, 32), generator=gen)]  # e4m3 bytes, subnormals too
     act = torch.randn(8, 32, generator=gen).to(torch.float16)
-    act_scale = torch.exp2(torch.randint(-8, 8, (8,), generator=gen).float())
-    w_exp = 120  # 2**-7
+    scale = torch.exp2(torch.randint(-16, 2, (8,), generator=gen).float())  # activation times weight scale
     start = torch.randn(32, 4, generator=gen)
 
     def word64(row: torch.Tensor) -> int:
@@ -192,13 +194,13 @@ def test_group_step_ptx_computes_a_blocks_sums_lane_by_lane():
         [word64(weight[g + 8, 8 * t:8 * t + 8]) for g, t in lanes],
         [word64(act_bits[g, 8 * t:8 * t + 4]) for g, t in lanes],
         [word64(act_bits[g, 8 * t + 4:8 * t + 8]) for g, t in lanes],
-        [word64(act_scale[2 * t:2 * t + 2]) for g, t in lanes],
-        [w_exp] * 32,
+        [bits32(scale[2 * t].item()) for g, t in lanes],
+        [bits32(scale[2 * t + 1].item()) for g, t in lanes],
         *[[bits32(start[lane, j].item()) for lane in range(32)] for j in range(4)],
     ]
     got = run_warp_ptx(triton_mma_gemv._GROUP_STEP_PTX.value, operands, 4)
     products = weight.view(torch.float8_e4m3fn).double() @ act.double().T  # [16 rows, 8 tokens]
-    scaled = products * act_scale.double()[None, :] * 2.0 ** (w_exp - 127)
+    scaled = products * scale.double()[None, :]
     for lane, (g, t) in enumerate(lanes):
         expected = [start[lane, 0] + scaled[g, 2 * t], start[lane, 1] + scaled[g, 2 * t + 1],
                     start[lane, 2] + scaled[g + 8, 2 * t], start[lane, 3] + scaled[g + 8, 2 * t + 1]]

@@ -132,15 +132,18 @@ def gemv_config(m: int) -> DecodeConfig:
 # cores fed from registers) outside the batch-invariant mode. A layer's FP8 projections in one CUDA graph
 # on one H200 (``benchmarks/kernels.py --tensor-core-tokens 0`` / ``8``; docs/benchmarks.md): at 2 / 4 / 8
 # tokens 99.8 / 102.8 / 127.1 us instead of the decode form's 128.1 / 130.8 / 134.2 us; at one token
-# 98.9 us against ``triton_gemv``'s 74.2 us, so one token keeps ``triton_gemv``
+# 98.9 us against ``triton_gemv``'s 74.2 us, so one token keeps ``triton_gemv``. Restructured (its first
+# step's weight loaded before the activation's preparation, steps of 1 / 2 / 4 blocks): 100.5 / 101.0 /
+# 119.9 us at 2 / 4 / 8 tokens; at one token 95.9 us against 74.1, and none of the sweep's 36 configs
+# beat ``triton_gemv`` on any projection
 MMA_GEMV_MIN_TOKENS = 2
 MMA_GEMV_MAX_TOKENS = 8
 
 # (largest M, config): ``triton_mma_gemv``. ``block_w`` is the program's weight rows (32 per warp,
-# ``num_warps`` warps), ``block_k`` its loop step, one or two 32-column blocks (its splits are whole
-# steps). A starting point for the sweep: with one block per step a warp keeps 1 KB of loads in
+# ``num_warps`` warps), ``block_k`` its loop step, one, two or four 32-column blocks (its splits are
+# whole steps). A starting point for the sweep: with one block per step a warp keeps 1 KB of loads in
 # flight, and an H200 SM needs ~25 KB in flight to stream at full bandwidth, so enough splits for 8
-# programs of 4 warps per SM (44 registers per thread under the GPU's Triton 3.6: 11 such programs fit)
+# programs of 4 warps per SM (62 registers per thread under the GPU's Triton 3.6: 8 such programs fit)
 _MMA_GEMV_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
     (8, DecodeConfig(128, 32, 4, 1, 8)),
 )

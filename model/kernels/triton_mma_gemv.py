@@ -14,8 +14,9 @@ in the loop against ~4.9 (both compiled for sm_90; docs/benchmarks.md). The prod
 columns hold up to 8 tokens; at one token the other 7 multiply zeros, which costs nothing extra.
 
 Fragments without a shuffle. A warp owns 32 weight rows (one row of 32x32 scale tiles, so one weight
-scale per block) and walks its K range one 32-column scale block at a time (one or two per loop
-step: ``block_k`` of the config; two hold twice the loads in flight for ~1.5x the registers). Lane
+scale per block) and walks its K range one 32-column scale block at a time (one, two or four per
+loop step: ``block_k`` of the config; longer steps keep more loads in flight and ask for 128
+contiguous bytes of each row at once, for more registers). Lane
 ``l`` (``g = l // 4``, ``t = l % 4``) loads 8 bytes of each of its rows g, g+8, g+16 and g+24 at
 columns 8t..8t+7 of the block. The m16n8k16 A fragment gives lane (g, t) rows g and g+8 at K slots
 2t, 2t+1, 2t+8 and 2t+9, and its B fragment token g at the same four slots. A product does not care
@@ -24,9 +25,10 @@ columns 8t..8t+3 in the block's first product and 8t+4..8t+7 in its second: the 
 each loaded word become slots 2t, 2t+1 by one conversion, the high two slots 2t+8, 2t+9, and B is
 token g's activation at the same columns, loaded as it lies in memory.
 
-The activation: each program first writes its K range of the activation to a scratch area of its
-own, as f16 values and an fp32 scale per token and 32-column block (the scales of at least two
-tokens, so that every lane's pair of token scales exists). With ``quantize`` that is the
+The activation: each program first issues the loads of its first step of weight (they wait for
+nothing), then writes its K range of the activation to a scratch area of its own, as f16 values and
+an fp32 scale per token and 32-column block (the scales of at least two tokens, so that every lane's
+pair of token scales exists). With ``quantize`` that is the
 reference's FP8 round trip per 32 (``act_quant``: e4m3 values are exact in f16, the scale is their
 power of two); without, the bf16 values times the power of two that puts the block's largest just
 below 2**16 (exact for every value down to 2**-32 of the block's largest; a smaller one is rounded,
@@ -66,15 +68,18 @@ from .triton_warp_fragments import warp_lanes
 
 MAX_TOKENS = 8  # the token columns of one tensor-core product
 ROWS_PER_WARP = 32  # one row of the weight's 32x32 scale tiles
-BLOCK = 32  # K columns of one scale block (a loop step takes one or two)
+BLOCK = 32  # K columns of one scale block (a loop step takes one, two or four)
+STEP_BLOCKS = (1, 2, 4)
 
 
 # One 32-column block of a 16-row group: $4, $5 the 8 weight bytes of rows g and g+8 at columns
-# 8t..8t+7; $6, $7 token g's activation at columns 8t..8t+3 and 8t+4..8t+7 (four f16 each); $8 the
-# activation scales of tokens 2t and 2t+1 (two fp32); $9 the weight's UE8M0 exponent; $10..$13 the
-# running sums of (row g, token 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1), which $0..$3 return.
+# 8t..8t+7; $6, $7 token g's activation at columns 8t..8t+3 and 8t+4..8t+7 (four f16 each); $8, $9 the
+# block's scales of tokens 2t and 2t+1 (activation times weight); $10..$13 the running sums of (row g,
+# token 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1), which $0..$3 return. (Hopper's ``mma.sync`` has no
+# e4m3 operands of its own: ptxas turns an m16n8k32 e4m3 product into these same conversions, plus
+# those of the activation.)
 _GROUP_STEP_PTX = tl.constexpr("""{
-    .reg .b32 w<4>, x<4>, a<8>, s<3>;
+    .reg .b32 w<4>, x<4>, a<8>;
     .reg .b16 h<8>;
     .reg .f32 d<4>, zero;
     mov.b64 {w0, w1}, $4;
@@ -96,35 +101,27 @@ _GROUP_STEP_PTX = tl.constexpr("""{
     mov.f32 zero, 0f00000000;
     mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {a0, a1, a2, a3}, {x0, x1}, {zero, zero, zero, zero};
     mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {a4, a5, a6, a7}, {x2, x3}, {d0, d1, d2, d3};
-    mov.b64 {s0, s1}, $8;
-    shl.b32 s2, $9, 23;
-    mul.f32 s0, s0, s2;
-    mul.f32 s1, s1, s2;
-    fma.rn.f32 $0, d0, s0, $10;
-    fma.rn.f32 $1, d1, s1, $11;
-    fma.rn.f32 $2, d2, s0, $12;
-    fma.rn.f32 $3, d3, s1, $13;
+    fma.rn.f32 $0, d0, $8, $10;
+    fma.rn.f32 $1, d1, $9, $11;
+    fma.rn.f32 $2, d2, $8, $12;
+    fma.rn.f32 $3, d3, $9, $13;
 }""")
 
 
 @triton.jit
-def _group_step(s0, s1, s2, s3, w_g, w_g8, x_lo, x_hi, a_scales, w_exp, INTERPRETED: tl.constexpr):
+def _group_step(s0, s1, s2, s3, w_g, w_g8, x_lo, x_hi, scale_even, scale_odd, INTERPRETED: tl.constexpr):
     """``_GROUP_STEP_PTX``: one block of one 16-row group added to its four running sums."""
     if INTERPRETED:
-        # the tensor-core product over the same fragments: lane (g, t)'s 4 + 4 weight columns of rows
-        # g and g + 8 against token n's activation at the same columns, summed over the 4 lanes t
+        # the tensor-core product over the same fragments: lane (g, t)'s 8 weight columns of rows g and
+        # g + 8 against token n's activation at the same columns, summed over the 4 lanes t
         threads: tl.constexpr = w_g.shape[0]
         d_even, d_odd = tl.split(tl.reshape(_emulated_product(w_g, x_lo, x_hi, threads), (threads, 2)))
         d8_even, d8_odd = tl.split(tl.reshape(_emulated_product(w_g8, x_lo, x_hi, threads), (threads, 2)))
-        w_scale = (w_exp << 23).to(tl.float32, bitcast=True)
-        scale_even = (a_scales & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True) * w_scale
-        scale_odd = (a_scales >> 32).to(tl.int32).to(tl.float32, bitcast=True) * w_scale
-        return (s0 + d_even * scale_even, s1 + d_odd * scale_odd, s2 + d8_even * scale_even,
-                s3 + d8_odd * scale_odd)
+        return s0 + d_even * scale_even, s1 + d_odd * scale_odd, s2 + d8_even * scale_even, s3 + d8_odd * scale_odd
     else:
         return tl.inline_asm_elementwise(
-            asm=_GROUP_STEP_PTX, constraints="=f,=f,=f,=f,l,l,l,l,l,r,f,f,f,f",
-            args=[w_g, w_g8, x_lo, x_hi, a_scales, w_exp, s0, s1, s2, s3], dtype=(tl.float32,) * 4,
+            asm=_GROUP_STEP_PTX, constraints="=f,=f,=f,=f,l,l,l,l,f,f,f,f,f,f",
+            args=[w_g, w_g8, x_lo, x_hi, scale_even, scale_odd, s0, s1, s2, s3], dtype=(tl.float32,) * 4,
             is_pure=False, pack=1)
 
 
@@ -148,44 +145,76 @@ def _emulated_product(w, x_lo, x_hi, THREADS: tl.constexpr):
 
 
 @triton.jit
-def _load_block(w_words, x_words, scale_words, w_exps, b, K: tl.constexpr, TOKENS: tl.constexpr):
-    """Block ``b`` (counted from the pointers) of a lane's operands: the 8 weight bytes of each of its
-    rows g, g + 8, g + 16, g + 24 (K words apart), token g's activation (two loads), the scales of
-    tokens 2t and 2t + 1, and the weight's scale exponent."""
+def _block_weights(w_words, w_exps, b, K: tl.constexpr):
+    """Block ``b`` (counted from the pointers) of a lane's weight: the 8 bytes of each of its rows g,
+    g + 8, g + 16, g + 24 (K words apart) and the block's scale exponent."""
     w = w_words + b * 4
-    x = x_words + b * (TOKENS * 8)
-    return (tl.load(w), tl.load(w + K), tl.load(w + 2 * K), tl.load(w + 3 * K), tl.load(x), tl.load(x + 1),
-            tl.load(scale_words + b * (TOKENS // 2)), tl.load(w_exps + b).to(tl.int32))
+    return tl.load(w), tl.load(w + K), tl.load(w + 2 * K), tl.load(w + 3 * K), tl.load(w_exps + b).to(tl.int32)
 
 
 @triton.jit
-def _add_block(sums, block, INTERPRETED: tl.constexpr):
-    """A block's products added to a lane's eight sums (``_load_block``'s rows x tokens 2t, 2t + 1)."""
+def _block_activation(x_words, scale_words, b, TOKENS: tl.constexpr):
+    """Block ``b`` of a lane's activation: token g's values at its 8 columns (two words of four f16)
+    and the scales of tokens 2t and 2t + 1."""
+    x = x_words + b * (TOKENS * 8)
+    return tl.load(x), tl.load(x + 1), tl.load(scale_words + b * (TOKENS // 2))
+
+
+@triton.jit
+def _add_block(sums, weights, activation, INTERPRETED: tl.constexpr):
+    """A block's products added to a lane's eight sums (rows g, g + 8, g + 16, g + 24 x tokens 2t, 2t + 1)."""
     a0, a1, a2, a3, b0, b1, b2, b3 = sums
-    w0, w1, w2, w3, x_lo, x_hi, a_scales, w_exp = block
-    a0, a1, a2, a3 = _group_step(a0, a1, a2, a3, w0, w1, x_lo, x_hi, a_scales, w_exp, INTERPRETED)
-    b0, b1, b2, b3 = _group_step(b0, b1, b2, b3, w2, w3, x_lo, x_hi, a_scales, w_exp, INTERPRETED)
+    w0, w1, w2, w3, w_exp = weights
+    x_lo, x_hi, a_scales = activation
+    w_scale = (w_exp << 23).to(tl.float32, bitcast=True)
+    scale_even = (a_scales & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True) * w_scale
+    scale_odd = (a_scales >> 32).to(tl.int32).to(tl.float32, bitcast=True) * w_scale
+    a0, a1, a2, a3 = _group_step(a0, a1, a2, a3, w0, w1, x_lo, x_hi, scale_even, scale_odd, INTERPRETED)
+    b0, b1, b2, b3 = _group_step(b0, b1, b2, b3, w2, w3, x_lo, x_hi, scale_even, scale_odd, INTERPRETED)
     return a0, a1, a2, a3, b0, b1, b2, b3
 
 
 @triton.jit
-def _load_step(w_words, x_words, scale_words, w_exps, b, K: tl.constexpr, TOKENS: tl.constexpr,
-               STEP_BLOCKS: tl.constexpr):
-    """The blocks of the loop step that starts at block ``b`` (``_load_block``): one or two."""
-    first = _load_block(w_words, x_words, scale_words, w_exps, b, K, TOKENS)
-    if STEP_BLOCKS == 2:
-        return first, _load_block(w_words, x_words, scale_words, w_exps, b + 1, K, TOKENS)
+def _step_weights(w_words, w_exps, b, K: tl.constexpr, STEP_BLOCKS: tl.constexpr):
+    """The weight of the loop step that starts at block ``b``: 1, 2 or 4 blocks (unused places repeat
+    the last block; nothing is loaded twice)."""
+    first = _block_weights(w_words, w_exps, b, K)
+    if STEP_BLOCKS == 1:
+        return first, first, first, first
+    elif STEP_BLOCKS == 2:
+        second = _block_weights(w_words, w_exps, b + 1, K)
+        return first, second, second, second
     else:
-        return first, first
+        return (first, _block_weights(w_words, w_exps, b + 1, K), _block_weights(w_words, w_exps, b + 2, K),
+                _block_weights(w_words, w_exps, b + 3, K))
 
 
 @triton.jit
-def _add_step(sums, step, STEP_BLOCKS: tl.constexpr, INTERPRETED: tl.constexpr):
-    """A loop step's blocks added to a lane's eight sums."""
-    first, second = step
-    sums = _add_block(sums, first, INTERPRETED)
-    if STEP_BLOCKS == 2:
-        sums = _add_block(sums, second, INTERPRETED)
+def _step_activation(x_words, scale_words, b, TOKENS: tl.constexpr, STEP_BLOCKS: tl.constexpr):
+    """The activation of the loop step that starts at block ``b`` (as ``_step_weights``)."""
+    first = _block_activation(x_words, scale_words, b, TOKENS)
+    if STEP_BLOCKS == 1:
+        return first, first, first, first
+    elif STEP_BLOCKS == 2:
+        second = _block_activation(x_words, scale_words, b + 1, TOKENS)
+        return first, second, second, second
+    else:
+        return (first, _block_activation(x_words, scale_words, b + 1, TOKENS),
+                _block_activation(x_words, scale_words, b + 2, TOKENS),
+                _block_activation(x_words, scale_words, b + 3, TOKENS))
+
+
+@triton.jit
+def _add_step(sums, weights, activation, STEP_BLOCKS: tl.constexpr, INTERPRETED: tl.constexpr):
+    """A loop step's blocks added to a lane's eight sums, in K order."""
+    w0, w1, w2, w3 = weights
+    x0, x1, x2, x3 = activation
+    sums = _add_block(sums, w0, x0, INTERPRETED)
+    if STEP_BLOCKS >= 2:
+        sums = _add_block(sums, w1, x1, INTERPRETED)
+    if STEP_BLOCKS == 4:
+        sums = _add_block(sums, w2, x2, INTERPRETED)
+        sums = _add_block(sums, w3, x3, INTERPRETED)
     return sums
 
 
@@ -204,8 +233,7 @@ def _f16_blocks(g):
 def _fp8_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counter_ptr, act_ptr,
                          act_scale_ptr, M, N, N2, stride_x, k_per_split, splits, width,
                          K: tl.constexpr, TOKENS: tl.constexpr, WARPS: tl.constexpr, STEP_BLOCKS: tl.constexpr,
-                         QUANTIZE: tl.constexpr,
-                         PARTIAL: tl.constexpr, INTERPRETED: tl.constexpr):
+                         QUANTIZE: tl.constexpr, PARTIAL: tl.constexpr, INTERPRETED: tl.constexpr):
     pid_w, split, group = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     TILE: tl.constexpr = 32 * WARPS  # weight rows per program
     PREP_BLOCKS: tl.constexpr = 4  # scale blocks per step of the activation's preparation
@@ -221,11 +249,26 @@ def _fp8_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr,
     k_begin = split * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     blocks = (k_end - k_begin) // 32
-
-    # 1. this program's K range of the activation, as f16 values and fp32 scales per token and block
     program = (group * tl.num_programs(0) + pid_w) * splits + split
     act_ptr += program * (k_per_split // 32) * TOKENS * 32
     act_scale_ptr += program * (k_per_split // 32) * TOKENS
+
+    # 1. each lane's fragments, one element per thread (the module's docstring). Nothing is masked: a
+    # warp past the last row reads the last row, a lane whose token g is past the last reads the last,
+    # a lane whose tokens 2t, 2t + 1 are past the tile's reads the tile's last two (none of those sums
+    # is stored). The first loop step's weight is loaded now: it does not wait for the activation
+    lane, warp = warp_lanes(32 * WARPS, INTERPRETED)
+    g = lane // 4
+    t = lane % 4
+    warp_row = tile * TILE + warp * 32  # the warp's 32 rows: one row of scale tiles
+    live = warp_row < n  # N is whole 32-row blocks: a warp's rows all exist or none does
+    first_row = tl.minimum(warp_row, n - 32)
+    w_words = weights.to(tl.pointer_type(tl.int64), bitcast=True) + (first_row + g).to(tl.int64) * (K // 8) \
+        + t + k_begin // 8  # row g at columns 8t.. of the first block; rows g + 8, 16, 24 are K words on
+    w_exps = scales + first_row // 32 * (K // 32) + k_begin // 32 + tl.zeros_like(lane)
+    w_even = _step_weights(w_words, w_exps, 0, K, STEP_BLOCKS)
+
+    # 2. this program's K range of the activation, as f16 values and fp32 scales per token and block
     tokens = tl.arange(0, TOKENS)
     prep_blocks = tl.arange(0, PREP_BLOCKS)
     columns = tl.arange(0, 32)
@@ -243,47 +286,37 @@ def _fp8_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr,
         tl.store(act_scale_ptr + block[None, :] * TOKENS + tokens[:, None], act_scale,  # absent tokens' too
                  mask=(block < blocks)[None, :])
     tl.debug_barrier()  # every thread's part of the scratch written before any lane loads from it
-
-    # 2. each lane's fragments, one element per thread (the module's docstring). Nothing is masked:
-    # a warp past the last row reads the last row, a lane whose token g is past the last reads the
-    # last, a lane whose tokens 2t, 2t + 1 are past the tile's reads the tile's last two (none of
-    # those sums is stored)
-    lane, warp = warp_lanes(32 * WARPS, INTERPRETED)
-    g = lane // 4
-    t = lane % 4
-    warp_row = tile * TILE + warp * 32  # the warp's 32 rows: one row of scale tiles
-    live = warp_row < n  # N is whole 32-row blocks: a warp's rows all exist or none does
-    first_row = tl.minimum(warp_row, n - 32)
-    w_words = weights.to(tl.pointer_type(tl.int64), bitcast=True) + (first_row + g).to(tl.int64) * (K // 8) \
-        + t + k_begin // 8  # row g at columns 8t.. of the first block; rows g + 8, 16, 24 are K words on
     x_words = act_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + tl.minimum(g, M - 1) * 8 + 2 * t
     scale_words = act_scale_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + tl.minimum(t, TOKENS // 2 - 1)
-    w_exps = scales + first_row // 32 * (K // 32) + k_begin // 32 + tl.zeros_like(lane)
-    # running sums of rows g, g + 8 (a) and g + 16, g + 24 (b) x tokens 2t, 2t + 1, STEP_BLOCKS blocks
+    x_even = _step_activation(x_words, scale_words, 0, TOKENS, STEP_BLOCKS)
+
+    # 3. running sums of rows g, g + 8 (a) and g + 16, g + 24 (b) x tokens 2t, 2t + 1, STEP_BLOCKS blocks
     # per loop step. Every step's loads are issued before the previous step's products, into two sets
     # of registers taken in turn (two steps per loop iteration), so that no loaded value is copied
     zero = tl.zeros((32 * WARPS,), dtype=tl.float32)
     sums = (zero, zero, zero, zero, zero, zero, zero, zero)
     steps = blocks // STEP_BLOCKS
-    even = _load_step(w_words, x_words, scale_words, w_exps, 0, K, TOKENS, STEP_BLOCKS)
     for _ in range(0, (steps - 1) // 2):
-        odd = _load_step(w_words, x_words, scale_words, w_exps, STEP_BLOCKS, K, TOKENS, STEP_BLOCKS)
-        sums = _add_step(sums, even, STEP_BLOCKS, INTERPRETED)
+        w_odd = _step_weights(w_words, w_exps, STEP_BLOCKS, K, STEP_BLOCKS)
+        x_odd = _step_activation(x_words, scale_words, STEP_BLOCKS, TOKENS, STEP_BLOCKS)
+        sums = _add_step(sums, w_even, x_even, STEP_BLOCKS, INTERPRETED)
         w_words += 8 * STEP_BLOCKS  # two steps
+        w_exps += 2 * STEP_BLOCKS
         x_words += TOKENS * 16 * STEP_BLOCKS
         scale_words += TOKENS * STEP_BLOCKS
-        w_exps += 2 * STEP_BLOCKS
-        even = _load_step(w_words, x_words, scale_words, w_exps, 0, K, TOKENS, STEP_BLOCKS)
-        sums = _add_step(sums, odd, STEP_BLOCKS, INTERPRETED)
+        w_even = _step_weights(w_words, w_exps, 0, K, STEP_BLOCKS)
+        x_even = _step_activation(x_words, scale_words, 0, TOKENS, STEP_BLOCKS)
+        sums = _add_step(sums, w_odd, x_odd, STEP_BLOCKS, INTERPRETED)
     if steps % 2 == 0:  # one step after the last even one
-        odd = _load_step(w_words, x_words, scale_words, w_exps, STEP_BLOCKS, K, TOKENS, STEP_BLOCKS)
-        sums = _add_step(sums, even, STEP_BLOCKS, INTERPRETED)
-        sums = _add_step(sums, odd, STEP_BLOCKS, INTERPRETED)
+        w_odd = _step_weights(w_words, w_exps, STEP_BLOCKS, K, STEP_BLOCKS)
+        x_odd = _step_activation(x_words, scale_words, STEP_BLOCKS, TOKENS, STEP_BLOCKS)
+        sums = _add_step(sums, w_even, x_even, STEP_BLOCKS, INTERPRETED)
+        sums = _add_step(sums, w_odd, x_odd, STEP_BLOCKS, INTERPRETED)
     else:
-        sums = _add_step(sums, even, STEP_BLOCKS, INTERPRETED)
+        sums = _add_step(sums, w_even, x_even, STEP_BLOCKS, INTERPRETED)
     a0, a1, a2, a3, b0, b1, b2, b3 = sums
 
-    # 3. each lane's eight sums to their places: [splits, M, width] fp32 partials or the bf16 output
+    # 4. each lane's eight sums to their places: [splits, M, width] fp32 partials or the bf16 output
     token = 2 * t
     column = first_col + warp_row + g
     destination = part_ptr + split * M * width if PARTIAL else out_ptr
@@ -338,11 +371,11 @@ def fp8_mma_gemv(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Te
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = mma_gemv_config(m)
-    if cfg.block_w != ROWS_PER_WARP * cfg.num_warps or cfg.block_k not in (BLOCK, 2 * BLOCK):
-        raise ValueError(f"a triton_mma_gemv config has {ROWS_PER_WARP} rows per warp and steps of one or two "
-                         f"{BLOCK}-column blocks, got {cfg}")
-    if k % cfg.block_k:  # whole steps in every split
-        cfg = dataclasses.replace(cfg, block_k=BLOCK)
+    if cfg.block_w != ROWS_PER_WARP * cfg.num_warps or cfg.block_k not in [BLOCK * s for s in STEP_BLOCKS]:
+        raise ValueError(f"a triton_mma_gemv config has {ROWS_PER_WARP} rows per warp and steps of "
+                         f"{' / '.join(map(str, STEP_BLOCKS))} {BLOCK}-column blocks, got {cfg}")
+    if k % cfg.block_k:  # whole steps in every split: the longest step that divides K
+        cfg = dataclasses.replace(cfg, block_k=max(BLOCK * s for s in STEP_BLOCKS if k % (BLOCK * s) == 0))
     splits, k_per_split = split_count(cfg, n + n2, k, groups, sm_count(x.device))
     tiles = triton.cdiv(n, cfg.block_w) + triton.cdiv(n2, cfg.block_w)
     width = groups * n + n2
@@ -357,6 +390,5 @@ def fp8_mma_gemv(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Te
     _fp8_mma_gemv_kernel[(tiles, splits, groups)](
         x, w, s, w2, s2, out, partials, split_counters(x.device, tiles * groups), act, act_scales,
         m, n, n2, x.stride(0), k_per_split, splits, width, K=k, TOKENS=tokens, WARPS=cfg.num_warps,
-        STEP_BLOCKS=cfg.block_k // BLOCK,
-        QUANTIZE=quantize, PARTIAL=splits > 1, INTERPRETED=INTERPRETED, num_warps=cfg.num_warps)
+        STEP_BLOCKS=cfg.block_k // BLOCK, QUANTIZE=quantize, PARTIAL=splits > 1, INTERPRETED=INTERPRETED, num_warps=cfg.num_warps)
     return out
