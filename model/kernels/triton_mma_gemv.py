@@ -145,17 +145,19 @@ def _emulated_product(w, x_lo, x_hi, THREADS: tl.constexpr):
 
 
 @triton.jit
-def _block_weights(w_words, w_exps, b, K: tl.constexpr):
-    """Block ``b`` (counted from the pointers) of a lane's weight: the 8 bytes of each of its rows g,
-    g + 8, g + 16, g + 24 (K words apart) and the block's scale exponent."""
+def _block_weights(pointers, b, K: tl.constexpr):
+    """Block ``b`` (counted from the pointers ``(w_words, w_exps)``) of a lane's weight: the 8 bytes of
+    each of its rows g, g + 8, g + 16, g + 24 (K words apart) and the block's scale exponent."""
+    w_words, w_exps = pointers
     w = w_words + b * 4
     return tl.load(w), tl.load(w + K), tl.load(w + 2 * K), tl.load(w + 3 * K), tl.load(w_exps + b).to(tl.int32)
 
 
 @triton.jit
-def _block_activation(x_words, scale_words, b, TOKENS: tl.constexpr):
-    """Block ``b`` of a lane's activation: token g's values at its 8 columns (two words of four f16)
-    and the scales of tokens 2t and 2t + 1."""
+def _block_activation(pointers, b, TOKENS: tl.constexpr):
+    """Block ``b`` (counted from the pointers ``(x_words, scale_words)``) of a lane's activation: token
+    g's values at its 8 columns (two words of four f16) and the scales of tokens 2t and 2t + 1."""
+    x_words, scale_words = pointers
     x = x_words + b * (TOKENS * 8)
     return tl.load(x), tl.load(x + 1), tl.load(scale_words + b * (TOKENS // 2))
 
@@ -175,33 +177,19 @@ def _add_block(sums, weights, activation, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _step_weights(w_words, w_exps, b, K: tl.constexpr, STEP_BLOCKS: tl.constexpr):
-    """The weight of the loop step that starts at block ``b``: 1, 2 or 4 blocks (unused places repeat
-    the last block; nothing is loaded twice)."""
-    first = _block_weights(w_words, w_exps, b, K)
+def _load_step(load_block: tl.constexpr, pointers, b, SIZE: tl.constexpr, STEP_BLOCKS: tl.constexpr):
+    """The blocks of the loop step that starts at block ``b``, each loaded by ``load_block``
+    (``_block_weights`` or ``_block_activation``; ``SIZE`` its K or TOKENS): 1, 2 or 4 of them (unused
+    places repeat the last block; nothing is loaded twice)."""
+    first = load_block(pointers, b, SIZE)
     if STEP_BLOCKS == 1:
         return first, first, first, first
     elif STEP_BLOCKS == 2:
-        second = _block_weights(w_words, w_exps, b + 1, K)
+        second = load_block(pointers, b + 1, SIZE)
         return first, second, second, second
     else:
-        return (first, _block_weights(w_words, w_exps, b + 1, K), _block_weights(w_words, w_exps, b + 2, K),
-                _block_weights(w_words, w_exps, b + 3, K))
-
-
-@triton.jit
-def _step_activation(x_words, scale_words, b, TOKENS: tl.constexpr, STEP_BLOCKS: tl.constexpr):
-    """The activation of the loop step that starts at block ``b`` (as ``_step_weights``)."""
-    first = _block_activation(x_words, scale_words, b, TOKENS)
-    if STEP_BLOCKS == 1:
-        return first, first, first, first
-    elif STEP_BLOCKS == 2:
-        second = _block_activation(x_words, scale_words, b + 1, TOKENS)
-        return first, second, second, second
-    else:
-        return (first, _block_activation(x_words, scale_words, b + 1, TOKENS),
-                _block_activation(x_words, scale_words, b + 2, TOKENS),
-                _block_activation(x_words, scale_words, b + 3, TOKENS))
+        return (first, load_block(pointers, b + 1, SIZE), load_block(pointers, b + 2, SIZE),
+                load_block(pointers, b + 3, SIZE))
 
 
 @triton.jit
@@ -266,7 +254,7 @@ def _fp8_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr,
     w_words = weights.to(tl.pointer_type(tl.int64), bitcast=True) + (first_row + g).to(tl.int64) * (K // 8) \
         + t + k_begin // 8  # row g at columns 8t.. of the first block; rows g + 8, 16, 24 are K words on
     w_exps = scales + first_row // 32 * (K // 32) + k_begin // 32 + tl.zeros_like(lane)
-    w_even = _step_weights(w_words, w_exps, 0, K, STEP_BLOCKS)
+    w_even = _load_step(_block_weights, (w_words, w_exps), 0, K, STEP_BLOCKS)
 
     # 2. this program's K range of the activation, as f16 values and fp32 scales per token and block
     tokens = tl.arange(0, TOKENS)
@@ -288,7 +276,7 @@ def _fp8_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr,
     tl.debug_barrier()  # every thread's part of the scratch written before any lane loads from it
     x_words = act_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + tl.minimum(g, M - 1) * 8 + 2 * t
     scale_words = act_scale_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + tl.minimum(t, TOKENS // 2 - 1)
-    x_even = _step_activation(x_words, scale_words, 0, TOKENS, STEP_BLOCKS)
+    x_even = _load_step(_block_activation, (x_words, scale_words), 0, TOKENS, STEP_BLOCKS)
 
     # 3. running sums of rows g, g + 8 (a) and g + 16, g + 24 (b) x tokens 2t, 2t + 1, STEP_BLOCKS blocks
     # per loop step. Every step's loads are issued before the previous step's products, into two sets
@@ -297,19 +285,21 @@ def _fp8_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr,
     sums = (zero, zero, zero, zero, zero, zero, zero, zero)
     steps = blocks // STEP_BLOCKS
     for _ in range(0, (steps - 1) // 2):
-        w_odd = _step_weights(w_words, w_exps, STEP_BLOCKS, K, STEP_BLOCKS)
-        x_odd = _step_activation(x_words, scale_words, STEP_BLOCKS, TOKENS, STEP_BLOCKS)
+        w_odd = _load_step(_block_weights, (w_words, w_exps), STEP_BLOCKS, K, STEP_BLOCKS)
+        x_odd = _load_step(_block_activation, (x_words, scale_words), STEP_BLOCKS, TOKENS,
+                           STEP_BLOCKS)
         sums = _add_step(sums, w_even, x_even, STEP_BLOCKS, INTERPRETED)
         w_words += 8 * STEP_BLOCKS  # two steps
         w_exps += 2 * STEP_BLOCKS
         x_words += TOKENS * 16 * STEP_BLOCKS
         scale_words += TOKENS * STEP_BLOCKS
-        w_even = _step_weights(w_words, w_exps, 0, K, STEP_BLOCKS)
-        x_even = _step_activation(x_words, scale_words, 0, TOKENS, STEP_BLOCKS)
+        w_even = _load_step(_block_weights, (w_words, w_exps), 0, K, STEP_BLOCKS)
+        x_even = _load_step(_block_activation, (x_words, scale_words), 0, TOKENS, STEP_BLOCKS)
         sums = _add_step(sums, w_odd, x_odd, STEP_BLOCKS, INTERPRETED)
     if steps % 2 == 0:  # one step after the last even one
-        w_odd = _step_weights(w_words, w_exps, STEP_BLOCKS, K, STEP_BLOCKS)
-        x_odd = _step_activation(x_words, scale_words, STEP_BLOCKS, TOKENS, STEP_BLOCKS)
+        w_odd = _load_step(_block_weights, (w_words, w_exps), STEP_BLOCKS, K, STEP_BLOCKS)
+        x_odd = _load_step(_block_activation, (x_words, scale_words), STEP_BLOCKS, TOKENS,
+                           STEP_BLOCKS)
         sums = _add_step(sums, w_even, x_even, STEP_BLOCKS, INTERPRETED)
         sums = _add_step(sums, w_odd, x_odd, STEP_BLOCKS, INTERPRETED)
     else:
@@ -390,5 +380,6 @@ def fp8_mma_gemv(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Te
     _fp8_mma_gemv_kernel[(tiles, splits, groups)](
         x, w, s, w2, s2, out, partials, split_counters(x.device, tiles * groups), act, act_scales,
         m, n, n2, x.stride(0), k_per_split, splits, width, K=k, TOKENS=tokens, WARPS=cfg.num_warps,
-        STEP_BLOCKS=cfg.block_k // BLOCK, QUANTIZE=quantize, PARTIAL=splits > 1, INTERPRETED=INTERPRETED, num_warps=cfg.num_warps)
+        STEP_BLOCKS=cfg.block_k // BLOCK, QUANTIZE=quantize, PARTIAL=splits > 1, INTERPRETED=INTERPRETED,
+        num_warps=cfg.num_warps)
     return out
