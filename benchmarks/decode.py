@@ -300,7 +300,8 @@ def main() -> int:
                              "products of 2-8 tokens back on the decode form instead of the tensor cores fed from "
                              "registers (triton_mma_gemv), -notcx the routed experts on triton_moe instead of "
                              "triton_mma_experts, -tc1 one token's FP8 products on triton_mma_gemv too instead of "
-                             "triton_gemv (these three: in-process engine only) for that run")
+                             "triton_gemv (these three: in-process engine only), -pdl programmatic dependent "
+                             "launch on (--enable-pdl) for that run")
     parser.add_argument("--batch", default="1,8,32,128,256", help="sequences per DP rank")
     parser.add_argument("--dp", type=int, default=1,
                         help="data-parallel ranks (one GPU each, experts sharded): batch sizes are per rank")
@@ -357,7 +358,7 @@ def main() -> int:
         before = torch.cuda.memory_allocated()
         started = time.perf_counter()
         llm = LLM(args.model, device=device, kernels=kernels, batch_invariant=batch_invariant, load_format="dummy",
-                  enforce_eager=eager, zos=zos,
+                  enforce_eager=eager, zos=zos, enable_pdl="pdl" in suffixes,
                   max_num_seqs=max(runnable),
                   max_num_batched_tokens=args.max_num_batched_tokens or max(2048, min(args.context * 8, 8192)),
                   max_model_len=args.max_model_len or args.context + steps + 8,

@@ -89,12 +89,14 @@ def markdown(env: dict, ceil: Ceilings, bench, shapes_name: str) -> str:
                   + ", ".join(s.name for s in bench.specs) + "); graph = all of them captured in one CUDA graph "
                   f"({bench.layer[0]['instances']} layer instances with distinct weights) and replayed, per layer. "
                   "Target: >= 70% of the memory limit.",
-                  "",
-                  "| M | sum of kernels | CUDA graph | memory limit | limit | graph % of memory limit "
-                  "| graph % of limit | sum % of memory limit |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  ""]
+        pdl = any("graph_without_pdl_s" in e for e in bench.layer)  # --pdl: the graph both ways
+        lines += ["| M | sum of kernels | CUDA graph " + ("| graph without PDL " if pdl else "")
+                  + "| memory limit | limit | graph % of memory limit | graph % of limit | sum % of memory limit |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if pdl else "")]
         for e in bench.layer:
             sum_pct = "-" if e["sum_pct_mem_limit"] is None else f"{e['sum_pct_mem_limit']:.0%}"
-            lines.append(f"| {e['m']} | {us(e['sum_s'])} | {us(e['graph_s'])} | {us(e['mem_limit_s'])} "
+            without = f"| {us(e.get('graph_without_pdl_s'))} " if pdl else ""
+            lines.append(f"| {e['m']} | {us(e['sum_s'])} | {us(e['graph_s'])} {without}| {us(e['mem_limit_s'])} "
                          f"| {us(e['limit_s'])} | **{e['pct_mem_limit']:.0%}** | {e['pct_limit']:.0%} | {sum_pct} |")
     return "\n".join(lines)

@@ -165,7 +165,7 @@ class Bench:
     def __init__(self, args, device: torch.device, shapes: Shapes, ceil: Ceilings, timer: Timer):
         self.args, self.device, self.s, self.ceil, self.timer = args, device, shapes, ceil, timer
         self.gen = torch.Generator(device=device).manual_seed(args.seed)
-        self.tk = TritonKernels(batch_invariant=args.batch_invariant)
+        self.tk = TritonKernels(batch_invariant=args.batch_invariant, pdl=args.pdl)
         self.tk_decode_max = 0 if args.batch_invariant else DECODE_FORM_MAX_M
         self.rk = ReferenceKernels(batch_invariant=False)
         self.specs = linear_specs(shapes)
@@ -360,12 +360,12 @@ class Bench:
         return row
 
     # ------------------------------------------------------------ one layer's FP8 linears, one graph
-    def run_layer_graph(self, m: int) -> dict:
+    def run_layer_graph(self, m: int, kernels) -> dict:
         dev, instances = self.device, self.args.graph_layers
         calls = []  # (names, input, call) per projection or pair of one input, per layer instance
         for layer in range(instances):
             calls += layer_calls(self.specs, lambda name: self.weights[name][layer % len(self.weights[name])],
-                                 self.tk, m, self.gen, dev)
+                                 kernels, m, self.gen, dev)
         names = [name for group, _, _ in calls for name in group]
 
         def run_all():
@@ -461,6 +461,9 @@ def parse_args(argv=None):
                    help="routed experts with at most this many pairs per expert on average take the tensor-core "
                         "kernels fed from registers (triton_mma_experts; 0: none; default: "
                         "tile_configs.MMA_EXPERTS_MAX_PAIRS)")
+    p.add_argument("--pdl", action="store_true",
+                   help="the Triton kernels with programmatic dependent launch (--enable-pdl); the layer graph "
+                        "is then also timed without it")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.m is None:
@@ -528,10 +531,14 @@ def main(argv=None) -> int:
                     log(progress_line(row) + f"  experts hit {row.extra['experts_hit']:.0f}")
                 if (device.type == "cuda" and not args.no_graph and m <= DECODE_MAX_M
                         and len(bench.specs) == len(linear_specs(shapes))):
-                    entry = bench.run_layer_graph(m)
+                    entry = bench.run_layer_graph(m, bench.tk)
+                    if args.pdl:  # the same graph launched the usual way, for comparison in the same run
+                        usual = TritonKernels(batch_invariant=args.batch_invariant)
+                        entry["graph_without_pdl_s"] = bench.run_layer_graph(m, usual)["graph_s"]
                     bench.layer.append(entry)
                     log(f"layer FP8 linears M={m}: graph {us(entry['graph_s'])} us, sum {us(entry['sum_s'])} us, "
-                        f"memory limit {us(entry['mem_limit_s'])} us -> {entry['pct_mem_limit']:.0%}")
+                        f"memory limit {us(entry['mem_limit_s'])} us -> {entry['pct_mem_limit']:.0%}"
+                        + (f"; without PDL {us(entry['graph_without_pdl_s'])} us" if args.pdl else ""))
         if args.tune:
             run_tune(bench, args.ms)
     except CorrectnessError as exc:

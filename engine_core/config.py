@@ -85,6 +85,10 @@ class EngineConfig:
     kernels: str | None = field(default=None, metadata=flag(
         "kernel backend of the FP8/FP4 products", choices=("reference", "triton"),
         default_help="triton on cuda, reference on cpu"))
+    enable_pdl: bool = field(default=False, metadata=flag(
+        "programmatic dependent launch: the Triton kernels of the decode-sized products start while the "
+        "kernel before them finishes (Hopper or later; needs --kernels triton; not yet the default: "
+        "docs/benchmarks.md)"))
     load_format: str = field(default="auto", metadata=flag(
         "auto: the checkpoint's safetensors files; dummy: random weights in their storage formats made on "
         "the device, the routers' biases zero so that tokens spread over the experts as in a load-balanced "
@@ -149,6 +153,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.kernels not in (None, "reference", "triton"):
             raise ValueError(f"--kernels must be reference or triton, got {self.kernels!r}")
+        if self.enable_pdl and self.resolved_kernels != "triton":
+            raise ValueError("--enable-pdl needs --kernels triton (the default on cuda)")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"--load-format must be auto or dummy, got {self.load_format!r}")
         if self.device not in ("cpu", "cuda"):

@@ -45,7 +45,9 @@ def build_summary(config: EngineConfig, info: WorkerInfo, max_model_len: int, de
     blocks = info.num_blocks - 1  # block 0 is padding
     return EngineSummary(
         devices=devices, weight_formats=weight_formats(cfg.dense_format.value, cfg.expert_format.value),
-        kv_cache_dtype=kv_cache_dtype, kernels=config.resolved_kernels, batch_invariant=config.resolved_batch_invariant,
+        kv_cache_dtype=kv_cache_dtype,
+        kernels=config.resolved_kernels + (" with programmatic dependent launch" if config.enable_pdl else ""),
+        batch_invariant=config.resolved_batch_invariant,
         zos=config.zos, cuda_graphs=cuda_graphs(config, cfg, max_model_len), dp_size=config.dp_size,
         num_routed_experts=cfg.num_routed_experts, block_size=config.block_size, kv_blocks_per_rank=blocks,
         state_slots_per_rank=info.num_slots, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,

@@ -266,7 +266,7 @@ def load_model(path: str | Path, options: ModelOptions | None = None, device: st
     else:
         raise ValueError(f"unknown load format {load_format!r}; available: auto, dummy")
     validate_checkpoint(cfg, reader)
-    kernels = make_backend(options.kernels, options.batch_invariant)
+    kernels = make_backend(options.kernels, options.batch_invariant, options.pdl)
     shard = expert_range if isinstance(expert_range, ExpertShard) else \
         ExpertShard.of_range(expert_range or range(cfg.num_routed_experts), cfg.num_layers)
     if len(shard.layers) != cfg.num_layers:

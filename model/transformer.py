@@ -37,12 +37,15 @@ class ModelOptions:
     kernels: the kernel backend of the quantized products, ``reference`` or ``triton``
         (``model/kernels/``). Without ``batch_invariant`` the Triton backend takes its split-K
         decode form for products of at most 64 rows.
+    pdl: programmatic dependent launch of the Triton kernels that take it (a kernel starts while the
+        one before it finishes; Hopper and later: ``model/kernels/triton_dependent_launch.py``).
     """
 
     batch_invariant: bool = True
     official_index_handoff: bool = False
     reference_layout: bool = False
     kernels: str = "reference"
+    pdl: bool = False
 
 
 class Block:

@@ -108,7 +108,8 @@ def test_tensor_core_experts_puts_the_routed_experts_on_the_tensor_core_kernels(
 
     calls = []
     real = triton_mma_experts.mma_experts
-    monkeypatch.setattr(triton_mma_experts, "mma_experts", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    monkeypatch.setattr(triton_mma_experts, "mma_experts",
+                        lambda *a, **kw: calls.append(a[1].shape[0]) or real(*a, **kw))
     monkeypatch.setattr(tile_configs, "MMA_EXPERTS_MAX_PAIRS", tile_configs.MMA_EXPERTS_MAX_PAIRS)  # restored after
     common = ["--device", "cpu", "--tiny", "--quick", "--kernels", "moe", "--m", "2"]
     assert script.main(common + ["--tensor-core-experts", "0", "--json", str(tmp_path / "off.json")]) == 0

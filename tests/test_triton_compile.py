@@ -52,6 +52,23 @@ def test_lane_tensor_check_tells_one_element_per_thread_from_others():
     assert _lane_tensors_problems(one, 4) == ["no lane-id or tensor-core inline assembly found"]
 
 
+def test_dependent_launch_check_finds_work_before_the_wait():
+    wait, start = "griddepcontrol.wait; // dummy %r1", "griddepcontrol.launch_dependents; // dummy %r2"
+    weight, x = "ld.global.v4.b32 { %r3, %r4, %r5, %r6 }, [ %rd1 + 0 ];", "ld.global.b16 { %rs1 }, [ %rd2 + 0 ];"
+    store, count = "st.global.b32 [ %rd3 + 0 ], { %r7 };", "atom.global.gpu.acq_rel.add.u32 %r8, [ %rd4 + 0 ], %r9;"
+    assert _dependent_launch_problems("\n".join([weight, wait, start, x, store, count]), prefetch=True) == []
+    assert _dependent_launch_problems("\n".join([wait, start, x, store]), prefetch=False) == []
+    assert _dependent_launch_problems("\n".join([wait, start, weight]), prefetch=True) == [
+        "loads no weight before its wait"]
+    assert _dependent_launch_problems("\n".join([x, wait, start]), prefetch=False) == ["loads 1 values before its wait"]
+    assert _dependent_launch_problems("\n".join([weight, count, wait, start]), prefetch=True) == [
+        "writes global memory before its wait"]
+    assert _dependent_launch_problems("\n".join([weight, start, wait, store]), prefetch=True) == [
+        "lets the next kernel start before its own wait"]
+    assert _dependent_launch_problems("\n".join([weight, x, store]), prefetch=True) == [
+        "no griddepcontrol.wait or griddepcontrol.launch_dependents"]
+
+
 # ----------------------------------------------------------------------------- the child process
 def _local_memory_in_loops(sass: str) -> list[str]:
     """Problems if a loop of the kernel (a backward branch to a label) spills registers to local memory
@@ -67,6 +84,27 @@ def _local_memory_in_loops(sass: str) -> list[str]:
     if any(start <= i <= end for i in spills for start, end in loops):
         return ["spills registers to local memory inside a loop"]
     return []
+
+
+def _dependent_launch_problems(ptx: str, prefetch: bool) -> list[str]:
+    """Problems of a kernel compiled for programmatic dependent launch (``triton_dependent_launch``): it
+    must wait for the previous kernel, let the next one start after that, and write nothing (store,
+    atomic) before its wait; with ``prefetch`` it loads some weight before the wait, without it nothing."""
+    lines = ptx.splitlines()
+    wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), None)
+    start = next((i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line), None)
+    if wait is None or start is None:
+        return ["no griddepcontrol.wait or griddepcontrol.launch_dependents"]
+    problems = [] if wait < start else ["lets the next kernel start before its own wait"]
+    before = lines[:wait]
+    if any(re.search(r"\b(st|atom|red)\.global", line) for line in before):
+        problems.append("writes global memory before its wait")
+    loads = sum(bool(re.search(r"\bld\.global", line)) for line in before)
+    if prefetch and not loads:
+        problems.append("loads no weight before its wait")
+    if not prefetch and loads:
+        problems.append(f"loads {loads} values before its wait")
+    return problems
 
 
 def _lane_tensors_problems(ttgir: str, warps: int) -> list[str]:
@@ -190,31 +228,44 @@ def main() -> int:
                   types, {"BLOCK_T": block_t, "BLOCK_W": cfg.block_w, "PARTIAL": partial, "EXACT_DOT": False}, cfg,
                   aligned=("q_ptr", "qs_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "K", "k_per_split", "stride_qm",
                            "stride_wn", "stride_os", "stride_om"), spill_free=True)
+    def dependent(pdl: bool, prefetch: bool, inspect=None):
+        """The options and checks of a kernel compiled with or without programmatic dependent launch."""
+        checks = [inspect] if inspect else []
+        if pdl:
+            checks.append(lambda kernel: _dependent_launch_problems(kernel.asm["ptx"], prefetch))
+        return {"launch_pdl": pdl}, lambda kernel: [p for c in checks for p in c(kernel)]
+
     for _, cfg in tile_configs._GEMV_TABLE:
-        for quantize, partial in ((True, True), (True, False), (False, True)):  # FP8 linears; wo_a
-            check(f"fp8_gemv quantize={quantize} partial={partial} {cfg}", triton_gemv._fp8_gemv_kernel,
+        for quantize, partial, pdl in ((True, True, False), (True, False, False), (False, True, False),
+                                       (True, True, True), (False, False, True)):  # FP8 linears; wo_a
+            launch, inspect = dependent(pdl, prefetch=True)
+            check(f"fp8_gemv quantize={quantize} partial={partial} pdl={pdl} {cfg}", triton_gemv._fp8_gemv_kernel,
                   {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "w2_ptr": "*u8", "s2_ptr": "*u8",
                    "out_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32",
                    **scalars("N N2 K k_per_split splits stride_os")},
                   {"BLOCK_W": cfg.block_w, "BLOCK_K": cfg.block_k, "QUANTIZE": quantize, "PARTIAL": partial,
-                   "INTERPRETED": False}, cfg, wgmma=False,
+                   "PDL": pdl, "INTERPRETED": False}, wgmma=False,
+                  options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **launch},
                   aligned=("x_ptr", "w_ptr", "s_ptr", "w2_ptr", "s2_ptr", "out_ptr", "part_ptr", "K", "k_per_split",
                            "stride_os"),
-                  spill_free=True)
+                  spill_free=True, inspect=inspect)
     other_steps = [replace(cfg, block_k=k) for _, cfg in tile_configs._MMA_GEMV_TABLE[:1] for k in (32, 64, 128)
                    if k != cfg.block_k]  # the sweep's other steps
     for cfg in [cfg for _, cfg in tile_configs._MMA_GEMV_TABLE] + other_steps:
-        for tokens, quantize, partial in ((2, True, True), (2, True, False), (8, True, True), (2, False, True)):
-            check(f"fp8_mma_gemv tokens={tokens} quantize={quantize} partial={partial} {cfg}",
+        for tokens, quantize, partial, pdl in ((2, True, True, False), (2, True, False, False), (8, True, True, False),
+                                               (2, False, True, False), (2, True, True, True)):
+            launch, inspect = dependent(pdl, prefetch=True, inspect=register_fed(cfg.num_warps, "HMMA.16816.F32"))
+            check(f"fp8_mma_gemv tokens={tokens} quantize={quantize} partial={partial} pdl={pdl} {cfg}",
                   triton_mma_gemv._fp8_mma_gemv_kernel,
                   {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "w2_ptr": "*u8", "s2_ptr": "*u8",
                    "out_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32", "act_ptr": "*fp16",
                    "act_scale_ptr": "*fp32", **scalars("M N N2 stride_x k_per_split splits width")},
                   {"K": 5120, "TOKENS": tokens, "WARPS": cfg.num_warps, "STEP_BLOCKS": cfg.block_k // 32,
-                   "QUANTIZE": quantize, "PARTIAL": partial, "INTERPRETED": False}, cfg, wgmma=False,
+                   "QUANTIZE": quantize, "PARTIAL": partial, "PDL": pdl, "INTERPRETED": False}, wgmma=False,
+                  options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **launch},
                   aligned=("x_ptr", "w_ptr", "s_ptr", "w2_ptr", "s2_ptr", "out_ptr", "part_ptr", "act_ptr",
                            "act_scale_ptr", "N", "N2", "stride_x", "k_per_split", "width"),
-                  spill_free=True, inspect=register_fed(cfg.num_warps, "HMMA.16816.F32"))
+                  spill_free=True, inspect=inspect)
     experts_cfg = tile_configs._MMA_EXPERTS_TABLE[0][1]
     for cfg in (experts_cfg, replace(experts_cfg, num_warps=1)):  # (the check ignores types a kernel lacks)
         experts_sizes = {"D": 5120, "INTER": 2304, "WARPS": cfg.num_warps, "INTERPRETED": False}
@@ -222,13 +273,18 @@ def main() -> int:
                          "part_ptr": "*fp32", "counter_ptr": "*i32", "limit": "fp32", **index, **weights,
                          **scalars("P stride_we stride_se steps_per_split splits")}
         lanes = register_fed(cfg.num_warps, "HMMA.16816.F32.BF16")
-        check(f"mma_experts gate_up {cfg}", triton_mma_experts._gate_up_kernel, experts_types, experts_sizes, cfg,
-              wgmma=False, spill_free=True, inspect=lanes,
-              aligned=("x_ptr", "h_ptr", "part_ptr", "w1_ptr", "s1_ptr", "w3_ptr", "s3_ptr", "stride_we", "stride_se"))
-        for partial in (False, True):
-            check(f"mma_experts down partial={partial} {cfg}", triton_mma_experts._down_kernel, experts_types,
-                  {**experts_sizes, "PARTIAL": partial}, cfg, wgmma=False, spill_free=True, inspect=lanes,
-                  aligned=("h_ptr", "out_ptr", "part_ptr", "w2_ptr", "s2_ptr", "stride_we", "stride_se"))
+        for pdl in (False, True):
+            launch, inspect = dependent(pdl, prefetch=False, inspect=lanes)
+            options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **launch}
+            check(f"mma_experts gate_up pdl={pdl} {cfg}", triton_mma_experts._gate_up_kernel, experts_types,
+                  {**experts_sizes, "PDL": pdl}, wgmma=False, spill_free=True, inspect=inspect, options=options,
+                  aligned=("x_ptr", "h_ptr", "part_ptr", "w1_ptr", "s1_ptr", "w3_ptr", "s3_ptr", "stride_we",
+                           "stride_se"))
+            for partial in (False, True):
+                check(f"mma_experts down partial={partial} pdl={pdl} {cfg}", triton_mma_experts._down_kernel,
+                      experts_types, {**experts_sizes, "PARTIAL": partial, "PDL": pdl}, wgmma=False, spill_free=True,
+                      inspect=inspect, options=options,
+                      aligned=("h_ptr", "out_ptr", "part_ptr", "w2_ptr", "s2_ptr", "stride_we", "stride_se"))
     for same in (False, True):
         check(f"greedy chunk same={same}", triton_greedy._chunk_kernel,
               {"raw_ptr": "*fp32", "processed_ptr": "*fp32", "part_ptr": "*fp32",
@@ -306,12 +362,13 @@ def main() -> int:
               {"x_ptr": "*i16", "out_ptr": "*bf16", **scalars("R K stride_x stride_o")},
               {"GROUP": group, "E4M3_SCALE": e4m3_scale, "BLOCK_ROWS": triton_fp4_round_trip.BLOCK_ELEMENTS // block_k,
                "BLOCK_K": block_k}, wgmma=False)
-    for out_bf16, block_d in ((True, 8192), (True, 512), (False, 128)):
-        check(f"rms_norm bf16={out_bf16} D<={block_d}", triton_rms_norm._rms_norm_kernel,
+    for out_bf16, block_d, pdl in ((True, 8192, False), (True, 512, False), (False, 128, False), (True, 8192, True)):
+        launch, inspect = dependent(pdl, prefetch=True)  # (the norm's weight)
+        check(f"rms_norm bf16={out_bf16} D<={block_d} pdl={pdl}", triton_rms_norm._rms_norm_kernel,
               {"x_ptr": "*bf16" if out_bf16 else "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16" if out_bf16 else "*fp32",
                **scalars("D stride_x stride_o"), "inv_d": "fp32", "eps": "fp32"},
-              {"BLOCK_D": block_d, "OUT_BF16": out_bf16, "INTERPRETED": False},
-              options={"num_warps": 16, "enable_fp_fusion": False}, wgmma=False)
+              {"BLOCK_D": block_d, "OUT_BF16": out_bf16, "PDL": pdl, "INTERPRETED": False},
+              options={"num_warps": 16, "enable_fp_fusion": False, **launch}, wgmma=False, inspect=inspect)
     for inverse in (False, True):
         check(f"rope inverse={inverse}", triton_rope._rope_kernel,
               {"x_ptr": "*bf16", "pos_ptr": "*i64", "table_ptr": "*fp32", **scalars("H stride_xt stride_xh stride_p")},
@@ -343,11 +400,12 @@ def main() -> int:
         check(f"cache write {label}", triton_cache_codec._write_rows_kernel,
               {"values_ptr": "*i16", "rows_ptr": "*i64", "data_ptr": "*u8", "M": "i32", "stride_v": "i32",
                "pages": pages}, constants, wgmma=False)
-    for clamp in (True, False):
-        check(f"swiglu clamp={clamp}", triton_moe_sum._swiglu_kernel,
+    for clamp, pdl in ((True, False), (False, False), (True, True)):
+        launch, inspect = dependent(pdl, prefetch=False)
+        check(f"swiglu clamp={clamp} pdl={pdl}", triton_moe_sum._swiglu_kernel,
               {"gate_ptr": "*bf16", "up_ptr": "*bf16", "out_ptr": "*bf16", **scalars("I stride_g stride_u stride_o"),
-               "limit": "fp32"}, {"CLAMP": clamp, "BLOCK": triton_moe_sum.BLOCK, "INTERPRETED": False},
-              options={"enable_fp_fusion": False}, wgmma=False)
+               "limit": "fp32"}, {"CLAMP": clamp, "BLOCK": triton_moe_sum.BLOCK, "PDL": pdl, "INTERPRETED": False},
+              options={"enable_fp_fusion": False, **launch}, wgmma=False, inspect=inspect)
     check("engram_gate hc=4", triton_engram._engram_gate_kernel,
           {"h_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*bf16",
            **scalars("D stride_k stride_v"), "eps": "fp32", "clamp": "fp32", "inv_sqrt_d": "fp32"},

@@ -196,7 +196,7 @@ def test_fp4_moe_on_tensor_cores_from_registers_real_shapes(kernels, monkeypatch
     weights = torch.rand(tokens * TOP_K, device="cuda", generator=gen)
     calls = []
     real = triton_mma_experts.mma_experts
-    monkeypatch.setattr(triton_mma_experts, "mma_experts", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(triton_mma_experts, "mma_experts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     got = decode_k.expert_outputs(x, pair_token, ids, weights, experts)
     assert calls, "the backend did not take the tensor-core kernels"
     assert_experts_close_to_reference(got, reference.expert_outputs(x, pair_token, ids, weights, experts))

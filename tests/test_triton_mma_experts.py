@@ -105,7 +105,8 @@ def test_backend_takes_it_up_to_its_pairs_per_expert(monkeypatch):
     pair_token, ids, weights = (t.to(device()) for t in _pairs(4, 2, 4, gen))  # 2 pairs per expert
     calls = []
     real = triton_mma_experts.mma_experts
-    monkeypatch.setattr(triton_mma_experts, "mma_experts", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    monkeypatch.setattr(triton_mma_experts, "mma_experts",
+                        lambda *a, **kw: calls.append(a[1].shape[0]) or real(*a, **kw))
     assert tile_configs.MMA_EXPERTS_MAX_PAIRS == 4.0  # measured up to 4 pairs per expert: docs/benchmarks.md
     kernels = TritonKernels()
     monkeypatch.setattr(tile_configs, "MMA_EXPERTS_MAX_PAIRS", 0.0)

@@ -83,7 +83,8 @@ class ModelRunner:
             limit_native_caches()  # before the first forward: oneDNN reads its cache sizes once
         self.stream = WorkerStream(self.device)  # before the first kernel (workers/worker_stream.py)
         options = ModelOptions(batch_invariant=config.resolved_batch_invariant,
-                               official_index_handoff=config.official_index_handoff, kernels=config.resolved_kernels)
+                               official_index_handoff=config.official_index_handoff, kernels=config.resolved_kernels,
+                               pdl=config.enable_pdl)
         expert_range = expert_parallel.expert_shard() if expert_parallel is not None else None
         self.model: V41Model = load_model(config.model, options, self.device, expert_range, config.load_format,
                                           config.engram_storage)

@@ -8,8 +8,11 @@ from .weights import ExpertWeights, QuantizedWeight, stack_quantized
 BACKENDS = ("reference", "triton")
 
 
-def make_backend(name: str, batch_invariant: bool) -> KernelBackend:
-    """The backend called ``name``; ``batch_invariant``: every row's result independent of the batch."""
+def make_backend(name: str, batch_invariant: bool, pdl: bool = False) -> KernelBackend:
+    """The backend called ``name``; ``batch_invariant``: every row's result independent of the batch;
+    ``pdl``: programmatic dependent launch of the Triton kernels that take it (``triton`` only)."""
+    if pdl and name != "triton":
+        raise ValueError(f"programmatic dependent launch needs the triton kernels, not {name!r}")
     if name == "reference":
         from .reference import ReferenceKernels
 
@@ -17,7 +20,7 @@ def make_backend(name: str, batch_invariant: bool) -> KernelBackend:
     if name == "triton":
         from .triton_backend import TritonKernels
 
-        return TritonKernels(batch_invariant)
+        return TritonKernels(batch_invariant, pdl)
     raise ValueError(f"unknown kernel backend {name!r}; available: {', '.join(BACKENDS)}")
 
 

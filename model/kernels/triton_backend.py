@@ -52,12 +52,17 @@ class TritonKernels(KernelBackend):
     mHC's collapse and expand, the shared expert's SwiGLU and the MoE's routing and expert sum one each; the
     indexer's scores read each sequence's keys in place (``triton_index_scores``) instead of a
     per-query copy, and its top-k is a threshold search (``triton_top_entries``) instead of two sorts;
-    Engram's n-gram hashing is one launch (``triton_ngram_hash``) instead of ~45."""
+    Engram's n-gram hashing is one launch (``triton_ngram_hash``) instead of ~45.
+
+    ``pdl``: the matrix-vector products, the tensor-core experts' kernels and the RMSNorm and SwiGLU
+    launched before products start while the kernel before them finishes (programmatic dependent launch,
+    ``triton_dependent_launch``; Hopper and later)."""
 
     name = "triton"
 
-    def __init__(self, batch_invariant: bool = False):
+    def __init__(self, batch_invariant: bool = False, pdl: bool = False):
         self.batch_invariant = batch_invariant
+        self.pdl = pdl
         # bf16 checkpoints (no quantized weights) are rare: their few products go through torch
         self._plain = ReferenceKernels(batch_invariant=False)
 
@@ -81,7 +86,7 @@ class TritonKernels(KernelBackend):
         rows = x.reshape(-1, shape[-1])
         gemv = self._matrix_vector(rows.shape[0], weight)
         if gemv is not None:
-            out = gemv(rows, [(weight.values, weight.scales)], quantize=True)
+            out = gemv(rows, [(weight.values, weight.scales)], quantize=True, pdl=self.pdl)
         elif weight.fmt is WeightFormat.FP8 and self._decode_form(rows.shape[0]):
             out = fp8_decode_mm(rows, weight.values, weight.scales)
         elif weight.fmt is WeightFormat.FP8:  # the faster kernel for FP8 (triton_bf16_mm's docstring)
@@ -97,7 +102,7 @@ class TritonKernels(KernelBackend):
         gemv = self._matrix_vector(rows.shape[0], *weights)
         if len(weights) != 2 or gemv is None or weights[0].in_features != weights[1].in_features:
             return super().quantized_linears(x, weights)
-        out = gemv(rows, [(w.values, w.scales) for w in weights], quantize=True)
+        out = gemv(rows, [(w.values, w.scales) for w in weights], quantize=True, pdl=self.pdl)
         first = weights[0].out_features
         return [out[:, :first].view(*shape[:-1], -1), out[:, first:].view(*shape[:-1], -1)]
 
@@ -107,7 +112,8 @@ class TritonKernels(KernelBackend):
         t, groups, k = x.shape
         gemv = self._matrix_vector(t, weight)
         if gemv is not None:
-            out = gemv(x.reshape(t, groups * k), [(weight.values, weight.scales)], quantize=False, groups=groups)
+            out = gemv(x.reshape(t, groups * k), [(weight.values, weight.scales)], quantize=False, groups=groups,
+                       pdl=self.pdl)
             return out.view(t, groups, -1)
         mm = decode_mm if self._decode_form(t) else bf16_mm
         out = mm(x.reshape(t, groups * k), weight.values, weight.scales, weight.fmt, groups=groups)
@@ -139,7 +145,7 @@ class TritonKernels(KernelBackend):
         pairs = pair_token.shape[0]
         if (not self.batch_invariant and 0 < pairs <= tile_configs.MMA_EXPERTS_MAX_PAIRS * experts.num_experts
                 and triton_mma_experts.takes(experts)):
-            return triton_mma_experts.mma_experts(x, pair_token, pair_expert, weights, experts)
+            return triton_mma_experts.mma_experts(x, pair_token, pair_expert, weights, experts, pdl=self.pdl)
         return fused_experts(x, pair_token, pair_expert, weights, experts)
 
     def sparse_attention(self, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, valid: torch.Tensor,
@@ -152,7 +158,7 @@ class TritonKernels(KernelBackend):
         return hc_coefficients(stream, fn, scale, base, hc, iters, hc_eps, norm_eps)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return rms_norm(x, weight, eps)
+        return rms_norm(x, weight, eps, pdl=self.pdl)
 
     def fp8_round_trip(self, x: torch.Tensor) -> torch.Tensor:
         return act_quant_bf16(x.contiguous())
@@ -184,7 +190,7 @@ class TritonKernels(KernelBackend):
         return top_entries(scores, k_per_row, k_max)
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-        return swiglu(gate, up, limit)
+        return swiglu(gate, up, limit, pdl=self.pdl)
 
     def engram_gate(self, stream: torch.Tensor, key: torch.Tensor, value: torch.Tensor, weight: torch.Tensor,
                     eps: float, clamp_value: float) -> torch.Tensor:

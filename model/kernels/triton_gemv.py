@@ -52,6 +52,7 @@ import triton.language as tl
 from .tile_configs import gemv_config
 from .triton_common import INTERPRETED, quantize_blocks, sm_count, to_bf16
 from .triton_decode_mm import split_count
+from .triton_dependent_launch import dependent_launch, let_next_kernel_start, wait_for_previous_kernel
 from .triton_split_sums import last_to_arrive, reset_counter, split_counters, sum_partials
 from .triton_weight_tiles import e4m3_words_to_f32
 
@@ -61,7 +62,7 @@ MAX_TOKENS = 1  # rows it takes: at two the expansion is paid twice and the tens
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counter_ptr, N, N2, K, k_per_split,
                      splits, stride_os, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, QUANTIZE: tl.constexpr,
-                     PARTIAL: tl.constexpr, INTERPRETED: tl.constexpr):
+                     PARTIAL: tl.constexpr, PDL: tl.constexpr, INTERPRETED: tl.constexpr):
     pid_w, split, group = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     BLOCKS: tl.constexpr = BLOCK_K // 32
     # the first weight's row tiles, then the second's (its outputs follow the first's columns)
@@ -82,9 +83,12 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, cou
     k_begin = split * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     # every load is issued one step before its use (the last step reloads its own), so a step's
-    # latency overlaps the previous step's arithmetic (two steps ahead measured slower on one H200)
+    # latency overlaps the previous step's arithmetic (two steps ahead measured slower on one H200).
+    # The first step's weight needs nothing from earlier kernels: it is loaded before the wait
     raw_next = tl.load(w_ptrs + k_begin // 4)
     w_exp_next = tl.load(scales + k_begin // 32 + blocks)
+    wait_for_previous_kernel(PDL)
+    let_next_kernel_start(PDL)
     x_next = tl.load(x_ptr + k_begin + cols)
     for k0 in range(k_begin, k_end, BLOCK_K):
         raw, w_exp, x = raw_next, w_exp_next, x_next
@@ -129,10 +133,11 @@ def fits(values: torch.Tensor, scales: torch.Tensor) -> bool:
 
 
 def fp8_gemv(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor]], quantize: bool,
-             groups: int = 1) -> torch.Tensor:
+             groups: int = 1, pdl: bool = False) -> torch.Tensor:
     """``x [1, G*K]`` bf16 times one or two FP8 weights ``(values [G*N, K], scales [G*N/32, K/32])``
     -> ``[1, G*N (+ N2)]`` bf16, the second weight's outputs after the first's (two weights: G = 1);
-    ``quantize``: the activation's FP8 round trip first."""
+    ``quantize``: the activation's FP8 round trip first; ``pdl``: programmatic dependent launch where
+    the GPU has it (``triton_dependent_launch``)."""
     m = x.shape[0]
     k = x.shape[1] // groups
     (values, scales), second = weights[0], weights[1:]
@@ -157,9 +162,10 @@ def fp8_gemv(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor
     w, s = values.view(torch.uint8), scales.view(torch.uint8)
     w2, s2 = (second[0][0].view(torch.uint8), second[0][1].view(torch.uint8)) if second else (w, s)
     tiles = triton.cdiv(n, cfg.block_w) + triton.cdiv(n2, cfg.block_w)
+    pdl = dependent_launch(pdl, x.device)
     _fp8_gemv_kernel[(tiles, splits, groups)](
         x, w, s, w2, s2, out, partials, split_counters(x.device, tiles * groups), n, n2, k, k_per_split, splits,
-        m * width, BLOCK_W=cfg.block_w, BLOCK_K=cfg.block_k, QUANTIZE=quantize, PARTIAL=splits > 1,
-        INTERPRETED=INTERPRETED, num_warps=cfg.num_warps)
+        m * width, BLOCK_W=cfg.block_w, BLOCK_K=cfg.block_k, QUANTIZE=quantize, PARTIAL=splits > 1, PDL=pdl,
+        INTERPRETED=INTERPRETED, num_warps=cfg.num_warps, launch_pdl=pdl)
     return out
 

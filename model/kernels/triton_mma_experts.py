@@ -49,6 +49,7 @@ from .fp4_fragments import FRAGMENT_COLS
 from .tile_configs import mma_experts_config
 from .triton_common import INTERPRETED, sm_count, to_bf16
 from .triton_decode_mm import split_count
+from .triton_dependent_launch import dependent_launch, let_next_kernel_start, wait_for_previous_kernel
 from .triton_moe import align_pairs, hidden_round_trip
 from .triton_scaled_mm import act_quant_bf16
 from .triton_split_sums import last_to_arrive, reset_counter, split_counters, sum_partials
@@ -223,8 +224,11 @@ def _store_group(ptr, sums, row, pairs, width, live, PARTIAL: tl.constexpr, INTE
 def _gate_up_kernel(x_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_ptr, expert_start_ptr, expert_count_ptr,
                     block_expert_ptr, block_index_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, part_ptr,
                     counter_ptr, P, stride_we, stride_se, limit, steps_per_split, splits,
-                    D: tl.constexpr, INTER: tl.constexpr, WARPS: tl.constexpr, INTERPRETED: tl.constexpr):
+                    D: tl.constexpr, INTER: tl.constexpr, WARPS: tl.constexpr, PDL: tl.constexpr,
+                    INTERPRETED: tl.constexpr):
     pid_w, pid_b, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    wait_for_previous_kernel(PDL)  # even the expert to read comes from the previous kernel (the routing)
+    let_next_kernel_start(PDL)
     expert, lane, g, t, warp, count, first = _lane_setup(block_expert_ptr, block_index_ptr, expert_start_ptr,
                                                          expert_count_ptr, pid_b, WARPS, INTERPRETED)
     if expert < 0:
@@ -282,8 +286,10 @@ def _gate_up_epilogue(pair_weight_ptr, sorted_pair_ptr, h_ptr, part_ptr, P, limi
 def _down_kernel(h_ptr, out_ptr, sorted_pair_ptr, expert_start_ptr, expert_count_ptr, block_expert_ptr,
                  block_index_ptr, w2_ptr, s2_ptr, part_ptr, counter_ptr, P, stride_we, stride_se, steps_per_split,
                  splits, D: tl.constexpr, INTER: tl.constexpr, WARPS: tl.constexpr, PARTIAL: tl.constexpr,
-                 INTERPRETED: tl.constexpr):
+                 PDL: tl.constexpr, INTERPRETED: tl.constexpr):
     pid_w, pid_b, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    wait_for_previous_kernel(PDL)
+    let_next_kernel_start(PDL)
     expert, lane, g, t, warp, count, first = _lane_setup(block_expert_ptr, block_index_ptr, expert_start_ptr,
                                                          expert_count_ptr, pid_b, WARPS, INTERPRETED)
     if expert < 0:
@@ -340,9 +346,10 @@ def takes(experts: ExpertWeights) -> bool:
 
 
 def mma_experts(x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.Tensor, pair_weight: torch.Tensor,
-                experts: ExpertWeights) -> torch.Tensor:
+                experts: ExpertWeights, pdl: bool = False) -> torch.Tensor:
     """Routed expert outputs ``[P, D]`` bf16 of bf16 token rows ``x [N, D]`` (``fused_experts``'s
-    contract), for experts that this module ``takes``."""
+    contract), for experts that this module ``takes``; ``pdl``: both kernels with programmatic dependent
+    launch where the GPU has it (``triton_dependent_launch``)."""
     if not takes(experts):
         raise ValueError("mma_experts reads FP4 experts in the fragment layout, D and the intermediate width "
                          "multiples of 64")
@@ -372,12 +379,14 @@ def mma_experts(x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.Te
     down_parts = torch.empty(down_splits, p, d, dtype=torch.float32, device=x.device) if down_splits > 1 else out
     w1, w3, w2 = (w.values.view(torch.uint8) for w in (experts.w1, experts.w3, experts.w2))
     s1, s3, s2 = (w.scales.view(torch.uint8) for w in (experts.w1, experts.w3, experts.w2))
+    pdl = dependent_launch(pdl, x.device)
     _gate_up_kernel[(gate_up_tiles, num_blocks, gate_up_splits)](
         x, pair_token, pair_weight, sorted_pair, start, count, block_expert, block_index, w1, s1, w3, s3, hidden,
         gate_up_parts, counters, p, w1.stride(0), s1.stride(0), float(experts.swiglu_limit), gate_up_k // STEP,
-        gate_up_splits, D=d, INTER=inter, WARPS=warps, INTERPRETED=INTERPRETED, num_warps=warps)
+        gate_up_splits, D=d, INTER=inter, WARPS=warps, PDL=pdl, INTERPRETED=INTERPRETED, num_warps=warps,
+        launch_pdl=pdl)
     _down_kernel[(down_tiles, num_blocks, down_splits)](
         hidden, out, sorted_pair, start, count, block_expert, block_index, w2, s2, down_parts, counters, p,
         w2.stride(0), s2.stride(0), down_k // STEP, down_splits, D=d, INTER=inter, WARPS=warps,
-        PARTIAL=down_splits > 1, INTERPRETED=INTERPRETED, num_warps=warps)
+        PARTIAL=down_splits > 1, PDL=pdl, INTERPRETED=INTERPRETED, num_warps=warps, launch_pdl=pdl)
     return out

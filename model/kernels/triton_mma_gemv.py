@@ -62,6 +62,7 @@ import triton.language as tl
 from .tile_configs import mma_gemv_config
 from .triton_common import INTERPRETED, quantize_blocks, sm_count, to_bf16
 from .triton_decode_mm import split_count
+from .triton_dependent_launch import dependent_launch, let_next_kernel_start, wait_for_previous_kernel
 from .triton_gemv import fits
 from .triton_split_sums import last_to_arrive, reset_counter, split_counters, sum_partials
 from .triton_warp_fragments import warp_lanes
@@ -221,7 +222,8 @@ def _f16_blocks(g):
 def _fp8_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counter_ptr, act_ptr,
                          act_scale_ptr, M, N, N2, stride_x, k_per_split, splits, width,
                          K: tl.constexpr, TOKENS: tl.constexpr, WARPS: tl.constexpr, STEP_BLOCKS: tl.constexpr,
-                         QUANTIZE: tl.constexpr, PARTIAL: tl.constexpr, INTERPRETED: tl.constexpr):
+                         QUANTIZE: tl.constexpr, PARTIAL: tl.constexpr, PDL: tl.constexpr,
+                         INTERPRETED: tl.constexpr):
     pid_w, split, group = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     TILE: tl.constexpr = 32 * WARPS  # weight rows per program
     PREP_BLOCKS: tl.constexpr = 4  # scale blocks per step of the activation's preparation
@@ -255,6 +257,8 @@ def _fp8_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr,
         + t + k_begin // 8  # row g at columns 8t.. of the first block; rows g + 8, 16, 24 are K words on
     w_exps = scales + first_row // 32 * (K // 32) + k_begin // 32 + tl.zeros_like(lane)
     w_even = _load_step(_block_weights, (w_words, w_exps), 0, K, STEP_BLOCKS)
+    wait_for_previous_kernel(PDL)  # the activation and the scratch below may be an earlier kernel's
+    let_next_kernel_start(PDL)
 
     # 2. this program's K range of the activation, as f16 values and fp32 scales per token and block
     tokens = tl.arange(0, TOKENS)
@@ -342,10 +346,11 @@ def _store(ptr, value, mask, PARTIAL: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 def fp8_mma_gemv(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor]], quantize: bool,
-                 groups: int = 1) -> torch.Tensor:
+                 groups: int = 1, pdl: bool = False) -> torch.Tensor:
     """``x [M, G*K]`` bf16 (1 <= M <= 8) times one or two FP8 weights ``(values [G*N, K], scales
     [G*N/32, K/32])`` -> ``[M, G*N (+ N2)]`` bf16, the second weight's outputs after the first's (two
-    weights: G = 1); ``quantize``: the activation's FP8 round trip per 32 first."""
+    weights: G = 1); ``quantize``: the activation's FP8 round trip per 32 first; ``pdl``: programmatic
+    dependent launch where the GPU has it (``triton_dependent_launch``)."""
     m = x.shape[0]
     k = x.shape[1] // groups
     (values, scales), second = weights[0], weights[1:]
@@ -377,9 +382,10 @@ def fp8_mma_gemv(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Te
     act_scales = torch.empty(programs, k_per_split // BLOCK, tokens, dtype=torch.float32, device=x.device)
     w, s = values.view(torch.uint8), scales.view(torch.uint8)
     w2, s2 = (second[0][0].view(torch.uint8), second[0][1].view(torch.uint8)) if second else (w, s)
+    pdl = dependent_launch(pdl, x.device)
     _fp8_mma_gemv_kernel[(tiles, splits, groups)](
         x, w, s, w2, s2, out, partials, split_counters(x.device, tiles * groups), act, act_scales,
         m, n, n2, x.stride(0), k_per_split, splits, width, K=k, TOKENS=tokens, WARPS=cfg.num_warps,
-        STEP_BLOCKS=cfg.block_k // BLOCK, QUANTIZE=quantize, PARTIAL=splits > 1, INTERPRETED=INTERPRETED,
-        num_warps=cfg.num_warps)
+        STEP_BLOCKS=cfg.block_k // BLOCK, QUANTIZE=quantize, PARTIAL=splits > 1, PDL=pdl, INTERPRETED=INTERPRETED,
+        num_warps=cfg.num_warps, launch_pdl=pdl)
     return out

@@ -22,16 +22,19 @@ import triton
 import triton.language as tl
 
 from .triton_common import INTERPRETED, exp_f32, to_bf16
+from .triton_dependent_launch import dependent_launch, let_next_kernel_start, wait_for_previous_kernel
 
 BLOCK = 1024  # features per program
 
 
 @triton.jit
 def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, I, stride_g, stride_u, stride_o, limit, CLAMP: tl.constexpr,
-                   BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
+                   BLOCK: tl.constexpr, PDL: tl.constexpr, INTERPRETED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
+    wait_for_previous_kernel(PDL)
+    let_next_kernel_start(PDL)  # (the down projection then loads its first weights meanwhile)
     gate = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     if CLAMP:
@@ -65,16 +68,18 @@ def _moe_sum_kernel(routed_ptr, ids_ptr, shared_ptr, out_ptr, D, stride_rt, stri
     tl.store(out_ptr + t * stride_ot + cols, to_bf16(total, INTERPRETED), mask=col_mask)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """bf16 ``gate``, ``up`` ``[N, I]`` -> bf16 ``silu(clamped gate) * clamped up`` (module docstring)."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, pdl: bool = False) -> torch.Tensor:
+    """bf16 ``gate``, ``up`` ``[N, I]`` -> bf16 ``silu(clamped gate) * clamped up`` (module docstring);
+    ``pdl``: programmatic dependent launch where the GPU has it (``triton_dependent_launch``)."""
     n, i = gate.shape
     out = torch.empty(n, i, dtype=torch.bfloat16, device=gate.device)
     if n:
         gate = gate if gate.stride(-1) == 1 else gate.contiguous()
         up = up if up.stride(-1) == 1 else up.contiguous()
+        pdl = dependent_launch(pdl, gate.device)
         _swiglu_kernel[(n, triton.cdiv(i, BLOCK))](
             gate, up, out, i, gate.stride(0), up.stride(0), out.stride(0), float(limit), CLAMP=limit > 0,
-            BLOCK=BLOCK, INTERPRETED=INTERPRETED, num_warps=4, enable_fp_fusion=False)
+            BLOCK=BLOCK, PDL=pdl, INTERPRETED=INTERPRETED, num_warps=4, enable_fp_fusion=False, launch_pdl=pdl)
     return out
 
 

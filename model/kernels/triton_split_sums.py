@@ -16,7 +16,9 @@ program's acquire makes every other program's stores visible to it, and it reads
 
 The counters (``split_counters``) are one int32 array per device, made once and left at zero by every
 launch. They assume the kernels that use them run one at a time per device (one stream): two launches
-running at once would share counters. The engine runs a forward's products on one stream.
+running at once would share counters. The engine runs a forward's products on one stream. (A kernel
+started early by programmatic dependent launch touches the counters only after its wait for the kernel
+before it: ``triton_dependent_launch``.)
 """
 
 from __future__ import annotations

@@ -1,0 +1,71 @@
+"""Programmatic dependent launch (PDL): a kernel starts while the one before it in the stream finishes.
+
+Without it, a kernel's programs start only once every program of the previous kernel has exited and
+its writes are flushed: inside a CUDA graph each boundary costs a few microseconds in which the GPU
+streams no weight, and a decode step of small products has dozens of boundaries per layer. With it
+(Hopper and later), a kernel launched with ``launch_pdl=True`` may start as soon as every program of
+the kernel before it has called ``griddepcontrol.launch_dependents`` (``let_next_kernel_start``) or
+exited; its programs then do what needs nothing from earlier kernels and block in
+``griddepcontrol.wait`` (``wait_for_previous_kernel``) until the previous kernel has completed and
+its writes are visible.
+
+The rule every kernel launched this way keeps: **before its wait it only reads memory that no kernel
+of the step writes** (the weights and their scales) **and writes nothing**. Its inputs, its scratch,
+its outputs and the split counters (``triton_split_sums``) are touched after the wait, so the previous
+kernel has finished with all of them, whatever buffer the allocator handed out twice. The guarantee
+chains: a kernel completes only after its own wait returned, so waiting for the previous kernel also
+waits for every kernel before it, PDL-launched or not. Each kernel calls ``let_next_kernel_start`` right
+after its wait, so at most two kernels' programs are resident at a time, the second's blocked in
+its wait or streaming its first weights.
+
+A kernel launched without the attribute (a torch kernel, say) after one that let the next start
+simply waits for it to complete, as always; the instructions are no-ops when the kernel was not
+launched with the attribute, so the same compiled kernel is correct either way.
+
+Used by the decode-sized products, which load their first weights before the wait (``triton_gemv``,
+``triton_mma_gemv``), by the routed experts' kernels (``triton_mma_experts``: which weights they read
+depends on the routing, so they only overlap their launch) and by the small kernels a decode step
+runs right before products (``triton_rms_norm``, which loads its norm weight first, and the SwiGLU of
+``triton_moe_sum``), so that those products start early too. Off unless asked for (``--enable-pdl``);
+the interpreter has no such instructions, so interpreted kernels never use it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from .triton_common import INTERPRETED
+
+MIN_CAPABILITY = 9  # griddepcontrol: sm_90 and later
+
+
+@triton.jit
+def wait_for_previous_kernel(PDL: tl.constexpr):
+    """Block until the previous kernel in the stream has completed and its writes are visible (a no-op
+    without ``PDL``). Nothing before this call may read what a kernel of the step writes, nor write."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def let_next_kernel_start(PDL: tl.constexpr):
+    """Let the next kernel in the stream start its programs (they wait for this kernel's completion
+    before touching its outputs); called right after ``wait_for_previous_kernel``."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def dependent_launch(requested: bool, device: torch.device) -> bool:
+    """Whether a kernel for ``device`` is launched with PDL: asked for, compiled (not interpreted) and
+    a GPU that has it. The launcher passes the result as the kernel's ``PDL`` and as ``launch_pdl``."""
+    return requested and not INTERPRETED and device.type == "cuda" and _capability(device.index or 0) >= MIN_CAPABILITY
