@@ -167,13 +167,22 @@ def main() -> int:
     def scalars(names: str) -> dict[str, str]:
         return {name: "i32" for name in names.split()}
 
-    for round_trip, fragment_columns in ((False, False), (True, False), (True, True)):
+    def dependent(pdl: bool, prefetch: bool, inspect=None):
+        """The options and checks of a kernel compiled with or without programmatic dependent launch."""
+        checks = [inspect] if inspect else []
+        if pdl:
+            checks.append(lambda kernel: _dependent_launch_problems(kernel.asm["ptx"], prefetch))
+        return {"launch_pdl": pdl}, lambda kernel: [p for c in checks for p in c(kernel)]
+
+    for round_trip, fragment_columns, pdl in ((False, False, False), (True, False, False), (True, True, False),
+                                              (True, True, True)):
         types = {"x_ptr": "*bf16", "q_ptr": "*bf16" if round_trip else "*fp16", "s_ptr": "*fp32",
                  **scalars("M K stride_x stride_q stride_s")}
-        check(f"act_quant round_trip={round_trip} fragment_columns={fragment_columns}",
+        launch, inspect = dependent(pdl, prefetch=False)
+        check(f"act_quant round_trip={round_trip} fragment_columns={fragment_columns} pdl={pdl}",
               triton_scaled_mm._act_quant_kernel, types,
-              {"BLOCK_ROWS": 4, "BLOCK_COLS": 512, "ROUND_TRIP": round_trip, "FRAGMENT_COLUMNS": fragment_columns},
-              wgmma=False)
+              {"BLOCK_ROWS": 4, "BLOCK_COLS": 512, "ROUND_TRIP": round_trip, "FRAGMENT_COLUMNS": fragment_columns,
+               "PDL": pdl}, wgmma=False, options={"num_warps": 4, **launch}, inspect=inspect)
 
     for _, cfg in tile_configs._BF16_MM_TABLE:
         for b_fmt, out_f32 in ((0, False), (2, True)):  # FP8 linears and wo_a; the bf16 head
@@ -228,13 +237,6 @@ def main() -> int:
                   types, {"BLOCK_T": block_t, "BLOCK_W": cfg.block_w, "PARTIAL": partial, "EXACT_DOT": False}, cfg,
                   aligned=("q_ptr", "qs_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "K", "k_per_split", "stride_qm",
                            "stride_wn", "stride_os", "stride_om"), spill_free=True)
-    def dependent(pdl: bool, prefetch: bool, inspect=None):
-        """The options and checks of a kernel compiled with or without programmatic dependent launch."""
-        checks = [inspect] if inspect else []
-        if pdl:
-            checks.append(lambda kernel: _dependent_launch_problems(kernel.asm["ptx"], prefetch))
-        return {"launch_pdl": pdl}, lambda kernel: [p for c in checks for p in c(kernel)]
-
     for _, cfg in tile_configs._GEMV_TABLE:
         for quantize, partial, pdl in ((True, True, False), (True, False, False), (False, True, False),
                                        (True, True, True), (False, False, True)):  # FP8 linears; wo_a
@@ -325,10 +327,13 @@ def main() -> int:
           options={"num_warps": 4, "enable_fp_fusion": False}, wgmma=False, spill_free=True)
 
     outputs = ("sorted_ptr", "start_ptr", "count_ptr", "block_expert_ptr", "block_index_ptr")
-    check("align_pairs E=384", triton_align_pairs._align_pairs_kernel,
-          {"expert_ptr": "*i64", **{name: "*i64" for name in outputs}, "cursor_ptr": "*i32",
-           "block_start_ptr": "*i32", **scalars("P E NB block_m")},
-          {"BINS": 512, "CHUNK": triton_align_pairs.CHUNK, "BLOCK_CHUNK": triton_align_pairs.BLOCK_CHUNK}, wgmma=False)
+    for pdl in (False, True):
+        launch, inspect = dependent(pdl, prefetch=False)
+        check(f"align_pairs E=384 pdl={pdl}", triton_align_pairs._align_pairs_kernel,
+              {"expert_ptr": "*i64", **{name: "*i64" for name in outputs}, "cursor_ptr": "*i32",
+               "block_start_ptr": "*i32", **scalars("P E NB block_m")},
+              {"BINS": 512, "CHUNK": triton_align_pairs.CHUNK, "BLOCK_CHUNK": triton_align_pairs.BLOCK_CHUNK,
+               "PDL": pdl}, wgmma=False, options={"num_warps": 4, **launch}, inspect=inspect)
 
     hash_fn = triton_ngram_hash._ngram_hash_kernel
     check("ngram_hash layers=2 n=3 heads=8", hash_fn,

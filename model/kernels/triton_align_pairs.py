@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_dependent_launch import dependent_launch, let_next_kernel_start, wait_for_previous_kernel
+
 MAX_PAIRS = 4096  # above: the torch version (its sort uses the whole GPU; this kernel one SM)
 CHUNK = 128  # pairs compared with each other at once ([CHUNK, CHUNK] in registers), at most
 BLOCK_CHUNK = 64  # blocks mapped to their expert at once ([BLOCK_CHUNK, bins]), at most
@@ -52,7 +54,9 @@ def chunk_sizes(pairs: int, blocks: int) -> tuple[int, int]:
 @triton.jit
 def _align_pairs_kernel(expert_ptr, sorted_ptr, start_ptr, count_ptr, block_expert_ptr, block_index_ptr,
                         cursor_ptr, block_start_ptr, P, E, NB, block_m,
-                        BINS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr):
+                        BINS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
+    let_next_kernel_start(PDL)
     bins = tl.arange(0, BINS)
     lanes = tl.arange(0, CHUNK)
     # 1. counts per key: experts 0..E-1, E for pairs of no local expert, E + 1 for lanes past P
@@ -96,9 +100,10 @@ def _keys(expert_ptr, pair, P, E):
     return tl.where(pair < P, key, E + 1)
 
 
-def align_pairs(pair_expert: torch.Tensor, num_experts: int, block_m: int):
+def align_pairs(pair_expert: torch.Tensor, num_experts: int, block_m: int, pdl: bool = False):
     """``(sorted_pair, expert_start, expert_count, block_expert, block_index)``, int64 (module
-    docstring); ``pair_expert [P]`` integer with P <= ``MAX_PAIRS``."""
+    docstring); ``pair_expert [P]`` integer with P <= ``MAX_PAIRS``; ``pdl``: programmatic dependent
+    launch where the GPU has it (``triton_dependent_launch``)."""
     p = pair_expert.shape[0]
     if p > MAX_PAIRS:
         raise ValueError(f"align_pairs takes at most {MAX_PAIRS} pairs in one program, got {p}")
@@ -112,7 +117,8 @@ def align_pairs(pair_expert: torch.Tensor, num_experts: int, block_m: int):
     bins = triton.next_power_of_2(num_experts + 2)
     scratch = torch.empty(2, bins, dtype=torch.int32, device=device)
     chunk, block_chunk = chunk_sizes(p, num_blocks)
+    pdl = dependent_launch(pdl, device)
     _align_pairs_kernel[(1,)](pair_expert.contiguous(), sorted_pair, start, count, block_expert, block_index,
                               scratch[0], scratch[1], p, num_experts, num_blocks, block_m,
-                              BINS=bins, CHUNK=chunk, BLOCK_CHUNK=block_chunk, num_warps=4)
+                              BINS=bins, CHUNK=chunk, BLOCK_CHUNK=block_chunk, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return sorted_pair, start, count, block_expert, block_index

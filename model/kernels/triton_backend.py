@@ -54,7 +54,7 @@ class TritonKernels(KernelBackend):
     per-query copy, and its top-k is a threshold search (``triton_top_entries``) instead of two sorts;
     Engram's n-gram hashing is one launch (``triton_ngram_hash``) instead of ~45.
 
-    ``pdl``: the matrix-vector products, the tensor-core experts' kernels and the RMSNorm and SwiGLU
+    ``pdl``: the matrix-vector products, the tensor-core experts' chain and the RMSNorm and SwiGLU
     launched before products start while the kernel before them finishes (programmatic dependent launch,
     ``triton_dependent_launch``; Hopper and later)."""
 

@@ -23,9 +23,10 @@ simply waits for it to complete, as always; the instructions are no-ops when the
 launched with the attribute, so the same compiled kernel is correct either way.
 
 Used by the decode-sized products, which load their first weights before the wait (``triton_gemv``,
-``triton_mma_gemv``), by the routed experts' kernels (``triton_mma_experts``: which weights they read
-depends on the routing, so they only overlap their launch) and by the small kernels a decode step
-runs right before products (``triton_rms_norm``, which loads its norm weight first, and the SwiGLU of
+``triton_mma_gemv``), by the routed experts' chain on the tensor cores (``triton_mma_experts``: the
+activation's quantization, the pairs' sort, gate/up and down; which weights they read depends on the
+routing, so they only overlap their launches) and by the small kernels a decode step runs right
+before products (``triton_rms_norm``, which loads its norm weight first, and the SwiGLU of
 ``triton_moe_sum``), so that those products start early too. Off unless asked for (``--enable-pdl``);
 the interpreter has no such instructions, so interpreted kernels never use it.
 """

@@ -348,8 +348,9 @@ def takes(experts: ExpertWeights) -> bool:
 def mma_experts(x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.Tensor, pair_weight: torch.Tensor,
                 experts: ExpertWeights, pdl: bool = False) -> torch.Tensor:
     """Routed expert outputs ``[P, D]`` bf16 of bf16 token rows ``x [N, D]`` (``fused_experts``'s
-    contract), for experts that this module ``takes``; ``pdl``: both kernels with programmatic dependent
-    launch where the GPU has it (``triton_dependent_launch``)."""
+    contract), for experts that this module ``takes``; ``pdl``: its four kernels (the activation's
+    quantization, the pairs' sort, gate/up and down) with programmatic dependent launch where the GPU
+    has it (``triton_dependent_launch``)."""
     if not takes(experts):
         raise ValueError("mma_experts reads FP4 experts in the fragment layout, D and the intermediate width "
                          "multiples of 64")
@@ -363,8 +364,9 @@ def mma_experts(x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.Te
     while inter % (32 * warps):  # the gate/up kernel's tiles cover the intermediate rows exactly
         warps //= 2
     gate_up_tile = 32 * warps
-    x = act_quant_bf16(x.contiguous(), fragment_columns=True)
-    sorted_pair, start, count, block_expert, block_index = align_pairs(pair_expert, num_experts, MAX_PAIRS)
+    pdl = dependent_launch(pdl, x.device)  # (the quantization and the sort too: the step's chain goes on)
+    x = act_quant_bf16(x.contiguous(), fragment_columns=True, pdl=pdl)
+    sorted_pair, start, count, block_expert, block_index = align_pairs(pair_expert, num_experts, MAX_PAIRS, pdl)
     num_blocks = block_expert.shape[0]
     live_blocks = min(num_experts, p)  # each expert with pairs has at least one block
     sms = sm_count(x.device)
@@ -379,7 +381,6 @@ def mma_experts(x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.Te
     down_parts = torch.empty(down_splits, p, d, dtype=torch.float32, device=x.device) if down_splits > 1 else out
     w1, w3, w2 = (w.values.view(torch.uint8) for w in (experts.w1, experts.w3, experts.w2))
     s1, s3, s2 = (w.scales.view(torch.uint8) for w in (experts.w1, experts.w3, experts.w2))
-    pdl = dependent_launch(pdl, x.device)
     _gate_up_kernel[(gate_up_tiles, num_blocks, gate_up_splits)](
         x, pair_token, pair_weight, sorted_pair, start, count, block_expert, block_index, w1, s1, w3, s3, hidden,
         gate_up_parts, counters, p, w1.stride(0), s1.stride(0), float(experts.swiglu_limit), gate_up_k // STEP,

@@ -178,11 +178,12 @@ def _down_kernel(h_ptr, out_ptr, sorted_pair_ptr, expert_start_ptr, expert_count
              mask=row_mask[None, :] & (offs_w[:, None] < D))
 
 
-def align_pairs(pair_expert: torch.Tensor, num_experts: int, block_m: int):
+def align_pairs(pair_expert: torch.Tensor, num_experts: int, block_m: int, pdl: bool = False):
     """``align_pairs_torch``'s result: in one launch for the few pairs of a decode step
-    (``triton_align_pairs``), else by torch ops that sort on every SM."""
+    (``triton_align_pairs``; ``pdl``: with programmatic dependent launch), else by torch ops that sort
+    on every SM."""
     if pair_expert.shape[0] <= triton_align_pairs.MAX_PAIRS:
-        return triton_align_pairs.align_pairs(pair_expert, num_experts, block_m)
+        return triton_align_pairs.align_pairs(pair_expert, num_experts, block_m, pdl)
     return align_pairs_torch(pair_expert, num_experts, block_m)
 
 

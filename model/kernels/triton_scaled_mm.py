@@ -30,6 +30,7 @@ import triton.language as tl
 from ..config import WeightFormat
 from .tile_configs import scaled_mm_config
 from .triton_common import INTERPRETED, quantize_groups_of_32, to_bf16
+from .triton_dependent_launch import dependent_launch, let_next_kernel_start, wait_for_previous_kernel
 from .triton_weight_tiles import FORMAT_CODES, e2m1_bytes_to_fp16, fragment_column
 
 
@@ -109,7 +110,10 @@ def _scaled_mm_kernel(q_ptr, qs_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_qm, s
 
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s, BLOCK_ROWS: tl.constexpr,
-                      BLOCK_COLS: tl.constexpr, ROUND_TRIP: tl.constexpr, FRAGMENT_COLUMNS: tl.constexpr):
+                      BLOCK_COLS: tl.constexpr, ROUND_TRIP: tl.constexpr, FRAGMENT_COLUMNS: tl.constexpr,
+                      PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
+    let_next_kernel_start(PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
@@ -136,25 +140,27 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def act_quant_bf16(x: torch.Tensor, fragment_columns: bool = False) -> torch.Tensor:
+def act_quant_bf16(x: torch.Tensor, fragment_columns: bool = False, pdl: bool = False) -> torch.Tensor:
     """bf16 ``[M, K]`` -> its FP8 round trip per 32, in bf16 (exact): ``fp8_qdq`` bit for bit;
     ``fragment_columns``: each row's columns in the fragment layout's order (``fragment_column``, K a
-    multiple of 64), as ``triton_mma_experts`` reads them."""
+    multiple of 64), as ``triton_mma_experts`` reads them; ``pdl``: programmatic dependent launch where
+    the GPU has it (``triton_dependent_launch``)."""
     if fragment_columns and x.shape[1] % 64:
         raise ValueError(f"the fragment layout's column order needs K % 64 == 0, not {x.shape[1]}")
     y = torch.empty_like(x)
-    _launch_act_quant(x, y, y, round_trip=True, fragment_columns=fragment_columns)
+    _launch_act_quant(x, y, y, round_trip=True, fragment_columns=fragment_columns, pdl=pdl)
     return y
 
 
 def _launch_act_quant(x: torch.Tensor, out: torch.Tensor, scales: torch.Tensor, round_trip: bool,
-                      fragment_columns: bool = False) -> None:
+                      fragment_columns: bool = False, pdl: bool = False) -> None:
     m, k = x.shape
     if m:
         rows, cols = 4, 512
+        pdl = dependent_launch(pdl, x.device)
         _act_quant_kernel[(triton.cdiv(m, rows), triton.cdiv(k, cols))](
             x, out, scales, m, k, x.stride(0), out.stride(0), scales.stride(0), BLOCK_ROWS=rows, BLOCK_COLS=cols,
-            ROUND_TRIP=round_trip, FRAGMENT_COLUMNS=fragment_columns, num_warps=4)
+            ROUND_TRIP=round_trip, FRAGMENT_COLUMNS=fragment_columns, PDL=pdl, num_warps=4, launch_pdl=pdl)
 
 
 def scaled_mm(q: torch.Tensor, q_scales: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
