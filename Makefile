@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
+# pytest processes of `make test`: the suite takes ~15 min in one process on 2 cores, ~10 in two
+# (most tests wait on subprocesses: a server, an engine core, workers)
+TEST_WORKERS ?= 2
 
 .PHONY: serve test test-gpu venv venv-test clean
 
@@ -34,7 +37,7 @@ serve: venv
 	$(VENV)/bin/mini-deepinfer serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 test: venv-test
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
 
 # only the tests marked `gpu` (on a CUDA machine; the CPU suite's other tests are not run again there)
 test-gpu: venv-test
