@@ -22,11 +22,12 @@ def test_kernel_benchmark_and_tile_sweep_run_on_the_tiny_shapes(tmp_path):
     out = tmp_path / "kernels.json"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "benchmarks/kernels.py", "--device", "cpu", "--tiny", "--quick", "--m", "1,65",
-                           "--tune", "--no-reference", "--kernels", "wkv,moe", "--json", str(out)],
+                           "--tune", "--no-reference", "--kernels", "wkv,moe", "--json", str(out),
+                           "--pdl"],  # (no such launch in the interpreter: the flag's way through the script)
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert doc["error"] is None
+    assert doc["error"] is None and doc["args"]["pdl"]
     assert {r["kernel"] for r in doc["results"]} == {"attn.wkv", "moe.experts"}
     assert all(r["rel_err"] is not None and r["rel_err"] <= 1e-2 for r in doc["results"])
     tuned = {(e["kernel"], e["m"], e["table"]): e for e in doc["tune"]}

@@ -66,16 +66,6 @@ def test_the_backend_passes_it_to_every_kernel_that_takes_it():
         assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
 
 
-def _fp8_weight(n: int, k: int, gen: torch.Generator):
-    """An FP8 projection whose outputs have about its inputs' magnitude (normal / sqrt(K), per 32x32 tile)."""
-    from model.checkpoint_maker import quantize_fp8
-    from model.config import WeightFormat
-    from model.kernels import QuantizedWeight
-
-    values, scales = quantize_fp8(torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5)
-    return QuantizedWeight(values, scales, WeightFormat.FP8)
-
-
 def _chain_outputs(kernels, x: torch.Tensor, weights) -> list[torch.Tensor]:
     """Each product's input is the previous product's output: nothing runs between them."""
     outs = []
@@ -90,6 +80,7 @@ def _chain_outputs(kernels, x: torch.Tensor, weights) -> list[torch.Tensor]:
 @pytest.mark.parametrize("tokens", [1, 2, 8])  # triton_gemv; triton_mma_gemv
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 def test_chained_products_give_the_same_bits_with_dependent_launch(tokens, graph):
+    from benchmarks.kernel_inputs import fp8_weight  # outputs of about the inputs' magnitude
     from model.kernels import tile_configs
     from model.kernels.triton_backend import TritonKernels
 
@@ -98,7 +89,7 @@ def test_chained_products_give_the_same_bits_with_dependent_launch(tokens, graph
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     # wide and narrow products, K split many ways (the split counters) and not at all
     sizes = [5120, 512, 5120, 1280, 8192, 5120, 2304, 5120]
-    weights = [_fp8_weight(n, k, gen) for k, n in zip(sizes, sizes[1:])]
+    weights = [fp8_weight(n, k, 1.0, torch.device("cuda"), gen) for k, n in zip(sizes, sizes[1:])]
     x = torch.randn(tokens, sizes[0], device="cuda", generator=gen).bfloat16()
     usual, dependent = TritonKernels(), TritonKernels(pdl=True)
     expected = _chain_outputs(usual, x, weights)
@@ -108,6 +99,7 @@ def test_chained_products_give_the_same_bits_with_dependent_launch(tokens, graph
             assert all(torch.equal(a, b) for a, b in zip(_chain_outputs(dependent, x, weights), expected))
         return
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         _chain_outputs(dependent, x, weights)  # compiled outside the capture
         cuda_graph = torch.cuda.CUDAGraph()
@@ -126,8 +118,8 @@ def test_chained_products_give_the_same_bits_with_dependent_launch(tokens, graph
 def test_chained_experts_give_the_same_bits_with_dependent_launch():
     """Routed experts on the tensor cores fed from registers (``triton_mma_experts``), each call's tokens
     the previous call's outputs, one pair per token, in a CUDA graph."""
-    from model.kernels import ExpertWeights, QuantizedWeight
     from model.config import WeightFormat
+    from model.kernels import ExpertWeights, QuantizedWeight, triton_mma_experts
     from model.kernels.triton_backend import TritonKernels
 
     d, inter, experts, tokens, calls = 5120, 2304, 16, 4, 4
@@ -141,9 +133,10 @@ def test_chained_experts_give_the_same_bits_with_dependent_launch():
     usual, dependent = TritonKernels(), TritonKernels(pdl=True)
     stack = usual.prepare_experts(ExpertWeights(fp4_stack(inter, d), fp4_stack(inter, d), fp4_stack(d, inter),
                                                 first_expert=0, swiglu_limit=10.0))
+    assert triton_mma_experts.takes(stack)  # (and 4 pairs over 16 experts: the backend takes that kernel)
     pair_token = torch.arange(tokens, device="cuda")
     pair_expert = [torch.randint(0, experts, (tokens,), device="cuda", generator=gen) for _ in range(calls)]
-    pair_weight = torch.rand(tokens, device="cuda", generator=gen) / d ** 0.5
+    pair_weight = torch.rand(tokens, device="cuda", generator=gen)
     x = torch.randn(tokens, d, device="cuda", generator=gen).bfloat16()
 
     def chain(kernels) -> list[torch.Tensor]:
@@ -156,6 +149,7 @@ def test_chained_experts_give_the_same_bits_with_dependent_launch():
     expected = chain(usual)
     assert all(out.isfinite().all() for out in expected) and expected[-1].abs().max() > 0
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         chain(dependent)
         cuda_graph = torch.cuda.CUDAGraph()
