@@ -142,10 +142,17 @@ def main() -> int:
 
     def check(label: str, fn, types: dict[str, str], constants: dict, cfg=None, wgmma: bool = True,
               options: dict | None = None, aligned: tuple[str, ...] = (), spill_free: bool = False,
-              inspect=None) -> None:
+              inspect=None, pdl: bool = False, prefetch: bool = False) -> None:
+        """``pdl``: compiled for programmatic dependent launch (its ``PDL`` and ``launch_pdl`` set together,
+        as ``triton_dependent_launch.launch_arguments`` sets them), its PTX checked for the order of its
+        wait (``prefetch``: it loads weights before it)."""
         signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
         if options is None:
             options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} if cfg else {"num_warps": 4}
+        if "PDL" in fn.arg_names:
+            constants = {**constants, "PDL": pdl}
+            options = {**options, "launch_pdl": pdl}
+            label += f" pdl={pdl}"
         attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
         kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
                                 target=hopper, options=options)
@@ -156,6 +163,8 @@ def main() -> int:
             problems += _local_memory_in_loops(kernel.asm["sass"])
         if inspect is not None:
             problems += inspect(kernel)
+        if pdl:
+            problems += _dependent_launch_problems(kernel.asm["ptx"], prefetch)
         print(f"{label}: {', '.join(problems) or 'ok'}")
 
     def register_fed(warps: int, instruction: str):
@@ -167,22 +176,14 @@ def main() -> int:
     def scalars(names: str) -> dict[str, str]:
         return {name: "i32" for name in names.split()}
 
-    def dependent(pdl: bool, prefetch: bool, inspect=None):
-        """The options and checks of a kernel compiled with or without programmatic dependent launch."""
-        checks = [inspect] if inspect else []
-        if pdl:
-            checks.append(lambda kernel: _dependent_launch_problems(kernel.asm["ptx"], prefetch))
-        return {"launch_pdl": pdl}, lambda kernel: [p for c in checks for p in c(kernel)]
-
     for round_trip, fragment_columns, pdl in ((False, False, False), (True, False, False), (True, True, False),
                                               (True, True, True)):
         types = {"x_ptr": "*bf16", "q_ptr": "*bf16" if round_trip else "*fp16", "s_ptr": "*fp32",
                  **scalars("M K stride_x stride_q stride_s")}
-        launch, inspect = dependent(pdl, prefetch=False)
-        check(f"act_quant round_trip={round_trip} fragment_columns={fragment_columns} pdl={pdl}",
+        check(f"act_quant round_trip={round_trip} fragment_columns={fragment_columns}",
               triton_scaled_mm._act_quant_kernel, types,
-              {"BLOCK_ROWS": 4, "BLOCK_COLS": 512, "ROUND_TRIP": round_trip, "FRAGMENT_COLUMNS": fragment_columns,
-               "PDL": pdl}, wgmma=False, options={"num_warps": 4, **launch}, inspect=inspect)
+              {"BLOCK_ROWS": 4, "BLOCK_COLS": 512, "ROUND_TRIP": round_trip, "FRAGMENT_COLUMNS": fragment_columns},
+              wgmma=False, pdl=pdl)
 
     for _, cfg in tile_configs._BF16_MM_TABLE:
         for b_fmt, out_f32 in ((0, False), (2, True)):  # FP8 linears and wo_a; the bf16 head
@@ -240,34 +241,30 @@ def main() -> int:
     for _, cfg in tile_configs._GEMV_TABLE:
         for quantize, partial, pdl in ((True, True, False), (True, False, False), (False, True, False),
                                        (True, True, True), (False, False, True)):  # FP8 linears; wo_a
-            launch, inspect = dependent(pdl, prefetch=True)
-            check(f"fp8_gemv quantize={quantize} partial={partial} pdl={pdl} {cfg}", triton_gemv._fp8_gemv_kernel,
+            check(f"fp8_gemv quantize={quantize} partial={partial} {cfg}", triton_gemv._fp8_gemv_kernel,
                   {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "w2_ptr": "*u8", "s2_ptr": "*u8",
                    "out_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32",
                    **scalars("N N2 K k_per_split splits stride_os")},
                   {"BLOCK_W": cfg.block_w, "BLOCK_K": cfg.block_k, "QUANTIZE": quantize, "PARTIAL": partial,
-                   "PDL": pdl, "INTERPRETED": False}, wgmma=False,
-                  options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **launch},
+                   "INTERPRETED": False}, cfg, wgmma=False,
                   aligned=("x_ptr", "w_ptr", "s_ptr", "w2_ptr", "s2_ptr", "out_ptr", "part_ptr", "K", "k_per_split",
                            "stride_os"),
-                  spill_free=True, inspect=inspect)
+                  spill_free=True, pdl=pdl, prefetch=True)
     other_steps = [replace(cfg, block_k=k) for _, cfg in tile_configs._MMA_GEMV_TABLE[:1] for k in (32, 64, 128)
                    if k != cfg.block_k]  # the sweep's other steps
     for cfg in [cfg for _, cfg in tile_configs._MMA_GEMV_TABLE] + other_steps:
         for tokens, quantize, partial, pdl in ((2, True, True, False), (2, True, False, False), (8, True, True, False),
                                                (2, False, True, False), (2, True, True, True)):
-            launch, inspect = dependent(pdl, prefetch=True, inspect=register_fed(cfg.num_warps, "HMMA.16816.F32"))
-            check(f"fp8_mma_gemv tokens={tokens} quantize={quantize} partial={partial} pdl={pdl} {cfg}",
+            check(f"fp8_mma_gemv tokens={tokens} quantize={quantize} partial={partial} {cfg}",
                   triton_mma_gemv._fp8_mma_gemv_kernel,
                   {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "w2_ptr": "*u8", "s2_ptr": "*u8",
                    "out_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32", "act_ptr": "*fp16",
                    "act_scale_ptr": "*fp32", **scalars("M N N2 stride_x k_per_split splits width")},
                   {"K": 5120, "TOKENS": tokens, "WARPS": cfg.num_warps, "STEP_BLOCKS": cfg.block_k // 32,
-                   "QUANTIZE": quantize, "PARTIAL": partial, "PDL": pdl, "INTERPRETED": False}, wgmma=False,
-                  options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **launch},
+                   "QUANTIZE": quantize, "PARTIAL": partial, "INTERPRETED": False}, cfg, wgmma=False,
                   aligned=("x_ptr", "w_ptr", "s_ptr", "w2_ptr", "s2_ptr", "out_ptr", "part_ptr", "act_ptr",
                            "act_scale_ptr", "N", "N2", "stride_x", "k_per_split", "width"),
-                  spill_free=True, inspect=inspect)
+                  spill_free=True, inspect=register_fed(cfg.num_warps, "HMMA.16816.F32"), pdl=pdl, prefetch=True)
     experts_cfg = tile_configs._MMA_EXPERTS_TABLE[0][1]
     for cfg in (experts_cfg, replace(experts_cfg, num_warps=1)):  # (the check ignores types a kernel lacks)
         experts_sizes = {"D": 5120, "INTER": 2304, "WARPS": cfg.num_warps, "INTERPRETED": False}
@@ -276,16 +273,13 @@ def main() -> int:
                          **scalars("P stride_we stride_se steps_per_split splits")}
         lanes = register_fed(cfg.num_warps, "HMMA.16816.F32.BF16")
         for pdl in (False, True):
-            launch, inspect = dependent(pdl, prefetch=False, inspect=lanes)
-            options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **launch}
-            check(f"mma_experts gate_up pdl={pdl} {cfg}", triton_mma_experts._gate_up_kernel, experts_types,
-                  {**experts_sizes, "PDL": pdl}, wgmma=False, spill_free=True, inspect=inspect, options=options,
+            check(f"mma_experts gate_up {cfg}", triton_mma_experts._gate_up_kernel, experts_types, experts_sizes, cfg,
+                  wgmma=False, spill_free=True, inspect=lanes, pdl=pdl,
                   aligned=("x_ptr", "h_ptr", "part_ptr", "w1_ptr", "s1_ptr", "w3_ptr", "s3_ptr", "stride_we",
                            "stride_se"))
             for partial in (False, True):
-                check(f"mma_experts down partial={partial} pdl={pdl} {cfg}", triton_mma_experts._down_kernel,
-                      experts_types, {**experts_sizes, "PARTIAL": partial, "PDL": pdl}, wgmma=False, spill_free=True,
-                      inspect=inspect, options=options,
+                check(f"mma_experts down partial={partial} {cfg}", triton_mma_experts._down_kernel, experts_types,
+                      {**experts_sizes, "PARTIAL": partial}, cfg, wgmma=False, spill_free=True, inspect=lanes, pdl=pdl,
                       aligned=("h_ptr", "out_ptr", "part_ptr", "w2_ptr", "s2_ptr", "stride_we", "stride_se"))
     for same in (False, True):
         check(f"greedy chunk same={same}", triton_greedy._chunk_kernel,
@@ -328,12 +322,11 @@ def main() -> int:
 
     outputs = ("sorted_ptr", "start_ptr", "count_ptr", "block_expert_ptr", "block_index_ptr")
     for pdl in (False, True):
-        launch, inspect = dependent(pdl, prefetch=False)
-        check(f"align_pairs E=384 pdl={pdl}", triton_align_pairs._align_pairs_kernel,
+        check("align_pairs E=384", triton_align_pairs._align_pairs_kernel,
               {"expert_ptr": "*i64", **{name: "*i64" for name in outputs}, "cursor_ptr": "*i32",
                "block_start_ptr": "*i32", **scalars("P E NB block_m")},
-              {"BINS": 512, "CHUNK": triton_align_pairs.CHUNK, "BLOCK_CHUNK": triton_align_pairs.BLOCK_CHUNK,
-               "PDL": pdl}, wgmma=False, options={"num_warps": 4, **launch}, inspect=inspect)
+              {"BINS": 512, "CHUNK": triton_align_pairs.CHUNK, "BLOCK_CHUNK": triton_align_pairs.BLOCK_CHUNK},
+              wgmma=False, pdl=pdl)
 
     hash_fn = triton_ngram_hash._ngram_hash_kernel
     check("ngram_hash layers=2 n=3 heads=8", hash_fn,
@@ -368,12 +361,12 @@ def main() -> int:
               {"GROUP": group, "E4M3_SCALE": e4m3_scale, "BLOCK_ROWS": triton_fp4_round_trip.BLOCK_ELEMENTS // block_k,
                "BLOCK_K": block_k}, wgmma=False)
     for out_bf16, block_d, pdl in ((True, 8192, False), (True, 512, False), (False, 128, False), (True, 8192, True)):
-        launch, inspect = dependent(pdl, prefetch=True)  # (the norm's weight)
-        check(f"rms_norm bf16={out_bf16} D<={block_d} pdl={pdl}", triton_rms_norm._rms_norm_kernel,
+        check(f"rms_norm bf16={out_bf16} D<={block_d}", triton_rms_norm._rms_norm_kernel,
               {"x_ptr": "*bf16" if out_bf16 else "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16" if out_bf16 else "*fp32",
                **scalars("D stride_x stride_o"), "inv_d": "fp32", "eps": "fp32"},
-              {"BLOCK_D": block_d, "OUT_BF16": out_bf16, "PDL": pdl, "INTERPRETED": False},
-              options={"num_warps": 16, "enable_fp_fusion": False, **launch}, wgmma=False, inspect=inspect)
+              {"BLOCK_D": block_d, "OUT_BF16": out_bf16, "INTERPRETED": False},
+              options={"num_warps": 16, "enable_fp_fusion": False}, wgmma=False, pdl=pdl,
+              prefetch=True)  # (the norm's weight)
     for inverse in (False, True):
         check(f"rope inverse={inverse}", triton_rope._rope_kernel,
               {"x_ptr": "*bf16", "pos_ptr": "*i64", "table_ptr": "*fp32", **scalars("H stride_xt stride_xh stride_p")},
@@ -406,11 +399,10 @@ def main() -> int:
               {"values_ptr": "*i16", "rows_ptr": "*i64", "data_ptr": "*u8", "M": "i32", "stride_v": "i32",
                "pages": pages}, constants, wgmma=False)
     for clamp, pdl in ((True, False), (False, False), (True, True)):
-        launch, inspect = dependent(pdl, prefetch=False)
-        check(f"swiglu clamp={clamp} pdl={pdl}", triton_moe_sum._swiglu_kernel,
+        check(f"swiglu clamp={clamp}", triton_moe_sum._swiglu_kernel,
               {"gate_ptr": "*bf16", "up_ptr": "*bf16", "out_ptr": "*bf16", **scalars("I stride_g stride_u stride_o"),
-               "limit": "fp32"}, {"CLAMP": clamp, "BLOCK": triton_moe_sum.BLOCK, "PDL": pdl, "INTERPRETED": False},
-              options={"enable_fp_fusion": False, **launch}, wgmma=False, inspect=inspect)
+               "limit": "fp32"}, {"CLAMP": clamp, "BLOCK": triton_moe_sum.BLOCK, "INTERPRETED": False},
+              options={"enable_fp_fusion": False}, wgmma=False, pdl=pdl)
     check("engram_gate hc=4", triton_engram._engram_gate_kernel,
           {"h_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*bf16",
            **scalars("D stride_k stride_v"), "eps": "fp32", "clamp": "fp32", "inv_sqrt_d": "fp32"},

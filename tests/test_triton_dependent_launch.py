@@ -34,13 +34,15 @@ def test_the_flag_needs_the_triton_kernels(tiny_checkpoint):
     assert make_backend("triton", batch_invariant=False, pdl=True).pdl
 
 
-def test_the_backend_passes_it_to_every_kernel_that_takes_it():
-    """Every method whose kernels take it, with and without: the same bits (in the interpreter the
-    kernels run without it; on a GPU with it). One token's products and pairs, the grouped ``wo_a``,
-    a few tokens' products, RMSNorm, SwiGLU and the experts on the tensor cores."""
+def test_the_backend_passes_it_to_every_kernel_that_takes_it(monkeypatch):
+    """Every method whose kernels take it, with and without: every launcher is asked for it exactly when
+    the backend has it, and the outputs are the same bits (in the interpreter the kernels then run
+    without it; on a GPU with it). One token's products and pairs, the grouped ``wo_a``, a few tokens'
+    products, RMSNorm, SwiGLU and the experts' chain on the tensor cores."""
     pytest.importorskip("triton")
     from model.config import WeightFormat
-    from model.kernels import ExpertWeights, tile_configs
+    from model.kernels import (ExpertWeights, tile_configs, triton_align_pairs, triton_gemv, triton_mma_experts,
+                               triton_mma_gemv, triton_moe_sum, triton_rms_norm, triton_scaled_mm)
     from model.kernels.triton_backend import TritonKernels
     from tests.kernel_checks import device
     from tests.test_triton_kernels import random_weight
@@ -60,10 +62,28 @@ def test_the_backend_passes_it_to_every_kernel_that_takes_it():
              lambda k: k.grouped_dequantized_linear(x[:1].view(1, 2, 64), grouped),
              lambda k: k.quantized_linear(x, w), lambda k: k.rms_norm(x, norm, 1e-6),
              lambda k: k.swiglu(x[:, :64], x[:, 64:], 7.0), lambda k: k.expert_outputs(x, *pairs, experts)]
+    asked = []  # (launcher's module, whether it was asked for dependent launch)
+    launchers = (triton_gemv, triton_mma_gemv, triton_mma_experts, triton_scaled_mm, triton_align_pairs,
+                 triton_rms_norm, triton_moe_sum)
+    for module in launchers:
+        real = module.launch_arguments
+        def recorded(pdl, device, module=module, real=real):
+            asked.append((module, pdl))
+            return real(pdl, device)
+        monkeypatch.setattr(module, "launch_arguments", recorded)
     for call in calls:
-        expected, got = call(usual), call(dependent)
+        asked.clear()
+        expected = call(usual)
+        assert asked and not any(pdl for _, pdl in asked)
+        asked.clear()
+        got = call(dependent)
+        assert asked and all(pdl for _, pdl in asked)
         expected, got = (out if isinstance(out, list) else [out] for out in (expected, got))
         assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    asked.clear()
+    for call in calls:
+        call(dependent)
+    assert {module for module, _ in asked} == set(launchers)  # every launcher of the list took part
 
 
 def _chain_outputs(kernels, x: torch.Tensor, weights) -> list[torch.Tensor]:

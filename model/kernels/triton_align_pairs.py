@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_dependent_launch import dependent_launch, let_next_kernel_start, wait_for_previous_kernel
+from .triton_dependent_launch import launch_arguments, let_next_kernel_start, wait_for_previous_kernel
 
 MAX_PAIRS = 4096  # above: the torch version (its sort uses the whole GPU; this kernel one SM)
 CHUNK = 128  # pairs compared with each other at once ([CHUNK, CHUNK] in registers), at most
@@ -117,8 +117,8 @@ def align_pairs(pair_expert: torch.Tensor, num_experts: int, block_m: int, pdl: 
     bins = triton.next_power_of_2(num_experts + 2)
     scratch = torch.empty(2, bins, dtype=torch.int32, device=device)
     chunk, block_chunk = chunk_sizes(p, num_blocks)
-    pdl = dependent_launch(pdl, device)
     _align_pairs_kernel[(1,)](pair_expert.contiguous(), sorted_pair, start, count, block_expert, block_index,
                               scratch[0], scratch[1], p, num_experts, num_blocks, block_m,
-                              BINS=bins, CHUNK=chunk, BLOCK_CHUNK=block_chunk, PDL=pdl, num_warps=4, launch_pdl=pdl)
+                              BINS=bins, CHUNK=chunk, BLOCK_CHUNK=block_chunk, num_warps=4,
+                              **launch_arguments(pdl, device))
     return sorted_pair, start, count, block_expert, block_index

@@ -68,5 +68,13 @@ def _capability(device_index: int) -> int:
 
 def dependent_launch(requested: bool, device: torch.device) -> bool:
     """Whether a kernel for ``device`` is launched with PDL: asked for, compiled (not interpreted) and
-    a GPU that has it. The launcher passes the result as the kernel's ``PDL`` and as ``launch_pdl``."""
+    a GPU that has it."""
     return requested and not INTERPRETED and device.type == "cuda" and _capability(device.index or 0) >= MIN_CAPABILITY
+
+
+def launch_arguments(requested: bool, device: torch.device) -> dict[str, bool]:
+    """The launch's ``PDL`` (the kernel's constexpr: wait, then let the next start) and ``launch_pdl`` (the
+    attribute that lets the kernel start early), always equal: a kernel started early that did not
+    wait would read its inputs before they are written."""
+    on = dependent_launch(requested, device)
+    return {"PDL": on, "launch_pdl": on}

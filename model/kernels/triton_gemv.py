@@ -52,7 +52,7 @@ import triton.language as tl
 from .tile_configs import gemv_config
 from .triton_common import INTERPRETED, quantize_blocks, sm_count, to_bf16
 from .triton_decode_mm import split_count
-from .triton_dependent_launch import dependent_launch, let_next_kernel_start, wait_for_previous_kernel
+from .triton_dependent_launch import launch_arguments, let_next_kernel_start, wait_for_previous_kernel
 from .triton_split_sums import last_to_arrive, reset_counter, split_counters, sum_partials
 from .triton_weight_tiles import e4m3_words_to_f32
 
@@ -162,10 +162,9 @@ def fp8_gemv(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor
     w, s = values.view(torch.uint8), scales.view(torch.uint8)
     w2, s2 = (second[0][0].view(torch.uint8), second[0][1].view(torch.uint8)) if second else (w, s)
     tiles = triton.cdiv(n, cfg.block_w) + triton.cdiv(n2, cfg.block_w)
-    pdl = dependent_launch(pdl, x.device)
     _fp8_gemv_kernel[(tiles, splits, groups)](
         x, w, s, w2, s2, out, partials, split_counters(x.device, tiles * groups), n, n2, k, k_per_split, splits,
-        m * width, BLOCK_W=cfg.block_w, BLOCK_K=cfg.block_k, QUANTIZE=quantize, PARTIAL=splits > 1, PDL=pdl,
-        INTERPRETED=INTERPRETED, num_warps=cfg.num_warps, launch_pdl=pdl)
+        m * width, BLOCK_W=cfg.block_w, BLOCK_K=cfg.block_k, QUANTIZE=quantize, PARTIAL=splits > 1,
+        INTERPRETED=INTERPRETED, num_warps=cfg.num_warps, **launch_arguments(pdl, x.device))
     return out
 

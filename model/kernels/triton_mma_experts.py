@@ -49,7 +49,7 @@ from .fp4_fragments import FRAGMENT_COLS
 from .tile_configs import mma_experts_config
 from .triton_common import INTERPRETED, sm_count, to_bf16
 from .triton_decode_mm import split_count
-from .triton_dependent_launch import dependent_launch, let_next_kernel_start, wait_for_previous_kernel
+from .triton_dependent_launch import launch_arguments, let_next_kernel_start, wait_for_previous_kernel
 from .triton_moe import align_pairs, hidden_round_trip
 from .triton_scaled_mm import act_quant_bf16
 from .triton_split_sums import last_to_arrive, reset_counter, split_counters, sum_partials
@@ -364,7 +364,6 @@ def mma_experts(x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.Te
     while inter % (32 * warps):  # the gate/up kernel's tiles cover the intermediate rows exactly
         warps //= 2
     gate_up_tile = 32 * warps
-    pdl = dependent_launch(pdl, x.device)  # (the quantization and the sort too: the step's chain goes on)
     x = act_quant_bf16(x.contiguous(), fragment_columns=True, pdl=pdl)
     sorted_pair, start, count, block_expert, block_index = align_pairs(pair_expert, num_experts, MAX_PAIRS, pdl)
     num_blocks = block_expert.shape[0]
@@ -384,10 +383,10 @@ def mma_experts(x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.Te
     _gate_up_kernel[(gate_up_tiles, num_blocks, gate_up_splits)](
         x, pair_token, pair_weight, sorted_pair, start, count, block_expert, block_index, w1, s1, w3, s3, hidden,
         gate_up_parts, counters, p, w1.stride(0), s1.stride(0), float(experts.swiglu_limit), gate_up_k // STEP,
-        gate_up_splits, D=d, INTER=inter, WARPS=warps, PDL=pdl, INTERPRETED=INTERPRETED, num_warps=warps,
-        launch_pdl=pdl)
+        gate_up_splits, D=d, INTER=inter, WARPS=warps, INTERPRETED=INTERPRETED, num_warps=warps,
+        **launch_arguments(pdl, x.device))
     _down_kernel[(down_tiles, num_blocks, down_splits)](
         hidden, out, sorted_pair, start, count, block_expert, block_index, w2, s2, down_parts, counters, p,
         w2.stride(0), s2.stride(0), down_k // STEP, down_splits, D=d, INTER=inter, WARPS=warps,
-        PARTIAL=down_splits > 1, PDL=pdl, INTERPRETED=INTERPRETED, num_warps=warps, launch_pdl=pdl)
+        PARTIAL=down_splits > 1, INTERPRETED=INTERPRETED, num_warps=warps, **launch_arguments(pdl, x.device))
     return out

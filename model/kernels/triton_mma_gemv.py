@@ -62,7 +62,7 @@ import triton.language as tl
 from .tile_configs import mma_gemv_config
 from .triton_common import INTERPRETED, quantize_blocks, sm_count, to_bf16
 from .triton_decode_mm import split_count
-from .triton_dependent_launch import dependent_launch, let_next_kernel_start, wait_for_previous_kernel
+from .triton_dependent_launch import launch_arguments, let_next_kernel_start, wait_for_previous_kernel
 from .triton_gemv import fits
 from .triton_split_sums import last_to_arrive, reset_counter, split_counters, sum_partials
 from .triton_warp_fragments import warp_lanes
@@ -382,10 +382,9 @@ def fp8_mma_gemv(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Te
     act_scales = torch.empty(programs, k_per_split // BLOCK, tokens, dtype=torch.float32, device=x.device)
     w, s = values.view(torch.uint8), scales.view(torch.uint8)
     w2, s2 = (second[0][0].view(torch.uint8), second[0][1].view(torch.uint8)) if second else (w, s)
-    pdl = dependent_launch(pdl, x.device)
     _fp8_mma_gemv_kernel[(tiles, splits, groups)](
         x, w, s, w2, s2, out, partials, split_counters(x.device, tiles * groups), act, act_scales,
         m, n, n2, x.stride(0), k_per_split, splits, width, K=k, TOKENS=tokens, WARPS=cfg.num_warps,
-        STEP_BLOCKS=cfg.block_k // BLOCK, QUANTIZE=quantize, PARTIAL=splits > 1, PDL=pdl, INTERPRETED=INTERPRETED,
-        num_warps=cfg.num_warps, launch_pdl=pdl)
+        STEP_BLOCKS=cfg.block_k // BLOCK, QUANTIZE=quantize, PARTIAL=splits > 1, INTERPRETED=INTERPRETED,
+        num_warps=cfg.num_warps, **launch_arguments(pdl, x.device))
     return out

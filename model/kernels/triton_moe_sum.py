@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .triton_common import INTERPRETED, exp_f32, to_bf16
-from .triton_dependent_launch import dependent_launch, let_next_kernel_start, wait_for_previous_kernel
+from .triton_dependent_launch import launch_arguments, let_next_kernel_start, wait_for_previous_kernel
 
 BLOCK = 1024  # features per program
 
@@ -76,10 +76,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, pdl: bool = False
     if n:
         gate = gate if gate.stride(-1) == 1 else gate.contiguous()
         up = up if up.stride(-1) == 1 else up.contiguous()
-        pdl = dependent_launch(pdl, gate.device)
         _swiglu_kernel[(n, triton.cdiv(i, BLOCK))](
             gate, up, out, i, gate.stride(0), up.stride(0), out.stride(0), float(limit), CLAMP=limit > 0,
-            BLOCK=BLOCK, PDL=pdl, INTERPRETED=INTERPRETED, num_warps=4, enable_fp_fusion=False, launch_pdl=pdl)
+            BLOCK=BLOCK, INTERPRETED=INTERPRETED, num_warps=4, enable_fp_fusion=False,
+            **launch_arguments(pdl, gate.device))
     return out
 
 

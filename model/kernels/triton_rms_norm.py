@@ -20,7 +20,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .triton_common import INTERPRETED, to_bf16
-from .triton_dependent_launch import dependent_launch, let_next_kernel_start, wait_for_previous_kernel
+from .triton_dependent_launch import launch_arguments, let_next_kernel_start, wait_for_previous_kernel
 
 
 @triton.jit
@@ -57,9 +57,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = Fals
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         block_d = triton.next_power_of_2(d)
-        pdl = dependent_launch(pdl, x.device)
         _rms_norm_kernel[(rows.shape[0],)](
             rows, weight, out, d, 1.0 / d, rows.stride(0), out.stride(0), float(eps), BLOCK_D=block_d,
-            OUT_BF16=x.dtype == torch.bfloat16, PDL=pdl, INTERPRETED=INTERPRETED,
-            num_warps=min(16, max(1, block_d // 512)), enable_fp_fusion=False, launch_pdl=pdl)
+            OUT_BF16=x.dtype == torch.bfloat16, INTERPRETED=INTERPRETED, num_warps=min(16, max(1, block_d // 512)),
+            enable_fp_fusion=False, **launch_arguments(pdl, x.device))
     return out.view(x.shape)

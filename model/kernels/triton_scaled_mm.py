@@ -30,7 +30,7 @@ import triton.language as tl
 from ..config import WeightFormat
 from .tile_configs import scaled_mm_config
 from .triton_common import INTERPRETED, quantize_groups_of_32, to_bf16
-from .triton_dependent_launch import dependent_launch, let_next_kernel_start, wait_for_previous_kernel
+from .triton_dependent_launch import launch_arguments, let_next_kernel_start, wait_for_previous_kernel
 from .triton_weight_tiles import FORMAT_CODES, e2m1_bytes_to_fp16, fragment_column
 
 
@@ -157,10 +157,9 @@ def _launch_act_quant(x: torch.Tensor, out: torch.Tensor, scales: torch.Tensor, 
     m, k = x.shape
     if m:
         rows, cols = 4, 512
-        pdl = dependent_launch(pdl, x.device)
         _act_quant_kernel[(triton.cdiv(m, rows), triton.cdiv(k, cols))](
             x, out, scales, m, k, x.stride(0), out.stride(0), scales.stride(0), BLOCK_ROWS=rows, BLOCK_COLS=cols,
-            ROUND_TRIP=round_trip, FRAGMENT_COLUMNS=fragment_columns, PDL=pdl, num_warps=4, launch_pdl=pdl)
+            ROUND_TRIP=round_trip, FRAGMENT_COLUMNS=fragment_columns, num_warps=4, **launch_arguments(pdl, x.device))
 
 
 def scaled_mm(q: torch.Tensor, q_scales: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
