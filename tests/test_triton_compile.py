@@ -323,8 +323,7 @@ def main() -> int:
     outputs = ("sorted_ptr", "start_ptr", "count_ptr", "block_expert_ptr", "block_index_ptr")
     for pdl in (False, True):
         check("align_pairs E=384", triton_align_pairs._align_pairs_kernel,
-              {"expert_ptr": "*i64", **{name: "*i64" for name in outputs}, "cursor_ptr": "*i32",
-               "block_start_ptr": "*i32", **scalars("P E NB block_m")},
+              {"expert_ptr": "*i64", **{name: "*i64" for name in outputs}, **scalars("P E NB block_m")},
               {"BINS": 512, "CHUNK": triton_align_pairs.CHUNK, "BLOCK_CHUNK": triton_align_pairs.BLOCK_CHUNK},
               wgmma=False, pdl=pdl)
 
