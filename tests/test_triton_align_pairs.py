@@ -75,3 +75,21 @@ def test_real_sizes_on_gpu(tokens):
         ids = torch.stack([torch.randperm(384, generator=gen)[:6] for _ in range(tokens)]).flatten()
         for block in (16, 64):
             assert_same_as_torch(ids, experts, block)
+
+
+@pytest.mark.parametrize("pairs,experts", [(6, 384), (41, 7), (300, 16), (70, 4)])
+def test_zeroes_the_output_rows_of_pairs_of_no_local_expert(pairs, experts):
+    """``zero_rows``: the rows of pairs whose expert is another rank's (or -1) become zeros; the
+    others, which the experts' kernels write, are left as they were (over one chunk and several)."""
+    gen = torch.Generator().manual_seed(pairs)
+    ids = torch.randint(-1, experts + 2, (pairs,), generator=gen)
+    if pairs == 70:
+        ids[:] = -1  # no local pair at all
+    rows = torch.randn(pairs, 72, generator=gen).to(torch.bfloat16)  # D not a whole number of stores
+    out = rows.to(device())
+    align_pairs(ids.to(device()), experts, 16, zero_rows=out)
+    foreign = (ids < 0) | (ids >= experts)
+    expected = torch.where(foreign[:, None], torch.zeros_like(rows), rows)
+    assert torch.equal(out.cpu(), expected)
+    with pytest.raises(ValueError, match="zero_rows"):
+        align_pairs(ids.to(device()), experts, 16, zero_rows=out[:, :8])

@@ -321,11 +321,12 @@ def main() -> int:
           options={"num_warps": 4, "enable_fp_fusion": False}, wgmma=False, spill_free=True)
 
     outputs = ("sorted_ptr", "start_ptr", "count_ptr", "block_expert_ptr", "block_index_ptr")
-    for pdl in (False, True):
-        check("align_pairs E=384", triton_align_pairs._align_pairs_kernel,
-              {"expert_ptr": "*i64", **{name: "*i64" for name in outputs}, **scalars("P E NB block_m")},
-              {"BINS": 512, "CHUNK": triton_align_pairs.CHUNK, "BLOCK_CHUNK": triton_align_pairs.BLOCK_CHUNK},
-              wgmma=False, pdl=pdl)
+    for pdl, zero in ((False, False), (True, True)):
+        check(f"align_pairs E=384 zero_rows={zero}", triton_align_pairs._align_pairs_kernel,
+              {"expert_ptr": "*i64", **{name: "*i64" for name in outputs}, "zero_ptr": "*bf16",
+               **scalars("P E NB block_m D")},
+              {"BINS": 512, "CHUNK": triton_align_pairs.CHUNK, "BLOCK_CHUNK": triton_align_pairs.BLOCK_CHUNK,
+               "ZERO": zero}, wgmma=False, pdl=pdl)
 
     hash_fn = triton_ngram_hash._ngram_hash_kernel
     check("ngram_hash layers=2 n=3 heads=8", hash_fn,

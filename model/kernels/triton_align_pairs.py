@@ -44,6 +44,7 @@ MAX_PAIRS = 4096  # above: the torch version (its sort uses the whole GPU; this 
 CHUNK = 128  # pairs compared with each other at once ([CHUNK, CHUNK] in registers), at most
 BLOCK_CHUNK = 64  # blocks mapped to their expert at once ([BLOCK_CHUNK, bins]), at most
 MIN_CHUNK = 16  # the narrowest chunks (a few compiled variants cover every decode step)
+ZERO_COLS: tl.constexpr = tl.constexpr(64)  # columns of the foreign pairs' rows zeroed per store
 
 
 def chunk_sizes(pairs: int, blocks: int) -> tuple[int, int]:
@@ -55,8 +56,9 @@ def chunk_sizes(pairs: int, blocks: int) -> tuple[int, int]:
 
 @triton.jit
 def _align_pairs_kernel(expert_ptr, sorted_ptr, start_ptr, count_ptr, block_expert_ptr, block_index_ptr,
-                        P, E, NB, block_m,
-                        BINS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr, PDL: tl.constexpr):
+                        zero_ptr, P, E, NB, block_m, D,
+                        BINS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr, ZERO: tl.constexpr,
+                        PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     let_next_kernel_start(PDL)
     bins = tl.arange(0, BINS)
@@ -78,6 +80,8 @@ def _align_pairs_kernel(expert_ptr, sorted_ptr, start_ptr, count_ptr, block_expe
         place = tl.gather(cursors, keys, 0) + same_before
         tl.store(sorted_ptr + place, pair.to(tl.int64), mask=pair < P)
         cursors += tl.histogram(keys, BINS)
+        if ZERO:
+            _zero_foreign_rows(zero_ptr, pair, keys == E, D, CHUNK)
     # 3. blocks of block_m rows per expert, in expert order
     blocks = tl.where(bins < E, (counts + block_m - 1) // block_m, 0)
     block_end = tl.cumsum(blocks, 0)
@@ -93,16 +97,34 @@ def _align_pairs_kernel(expert_ptr, sorted_ptr, start_ptr, count_ptr, block_expe
 
 
 @triton.jit
+def _zero_foreign_rows(zero_ptr, pair, foreign, D, CHUNK: tl.constexpr):
+    """Zero the ``D``-wide rows of ``zero_ptr`` of the chunk's pairs of no local expert (none at one
+    rank: then nothing is stored)."""
+    if tl.max(foreign.to(tl.int32), 0) > 0:
+        rows = zero_ptr + pair.to(tl.int64)[:, None] * D
+        for first_col in range(0, D, ZERO_COLS):
+            cols = first_col + tl.arange(0, ZERO_COLS)
+            zeros = tl.zeros((CHUNK, ZERO_COLS), dtype=zero_ptr.dtype.element_ty)
+            tl.store(rows + cols[None, :], zeros, mask=foreign[:, None] & (cols < D)[None, :])
+
+
+@triton.jit
 def _keys(expert_ptr, pair, P, E):
     expert = tl.load(expert_ptr + pair, mask=pair < P, other=0).to(tl.int32)
     key = tl.where((expert >= 0) & (expert < E), expert, E)
     return tl.where(pair < P, key, E + 1)
 
 
-def align_pairs(pair_expert: torch.Tensor, num_experts: int, block_m: int, pdl: bool = False):
+def align_pairs(pair_expert: torch.Tensor, num_experts: int, block_m: int, pdl: bool = False,
+                zero_rows: torch.Tensor | None = None):
     """``(sorted_pair, expert_start, expert_count, block_expert, block_index)``, int64 (module
     docstring); ``pair_expert [P]`` integer with P <= ``MAX_PAIRS``; ``pdl``: programmatic dependent
-    launch where the GPU has it (``triton_dependent_launch``)."""
+    launch where the GPU has it (``triton_dependent_launch``).
+
+    ``zero_rows``: a contiguous ``[P, D]`` tensor (the experts' output) whose rows of pairs of no
+    local expert this launch sets to zero, the rows the experts' kernels do not write. It replaces a
+    memset of the whole output before the experts' chain of launches (a memset takes no part in
+    programmatic dependent launch)."""
     p = pair_expert.shape[0]
     if p > MAX_PAIRS:
         raise ValueError(f"align_pairs takes at most {MAX_PAIRS} pairs in one program, got {p}")
@@ -115,8 +137,12 @@ def align_pairs(pair_expert: torch.Tensor, num_experts: int, block_m: int, pdl: 
     block_index = torch.empty(num_blocks, dtype=torch.int64, device=device)
     bins = triton.next_power_of_2(num_experts + 2)
     chunk, block_chunk = chunk_sizes(p, num_blocks)
+    if zero_rows is not None and (zero_rows.shape[0] != p or zero_rows.dim() != 2 or not zero_rows.is_contiguous()):
+        raise ValueError(f"zero_rows must be a contiguous [{p}, D] tensor, got {tuple(zero_rows.shape)}")
     _align_pairs_kernel[(1,)](pair_expert.contiguous(), sorted_pair, start, count, block_expert, block_index,
-                              p, num_experts, num_blocks, block_m,
-                              BINS=bins, CHUNK=chunk, BLOCK_CHUNK=block_chunk, num_warps=4,
+                              sorted_pair if zero_rows is None else zero_rows, p, num_experts, num_blocks, block_m,
+                              0 if zero_rows is None else zero_rows.shape[1],
+                              BINS=bins, CHUNK=chunk, BLOCK_CHUNK=block_chunk, ZERO=zero_rows is not None,
+                              num_warps=4,
                               **launch_arguments(pdl, device))
     return sorted_pair, start, count, block_expert, block_index

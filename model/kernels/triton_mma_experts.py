@@ -355,7 +355,7 @@ def mma_experts(x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.Te
         raise ValueError("mma_experts reads FP4 experts in the fragment layout, D and the intermediate width "
                          "multiples of 64")
     p, d = pair_token.shape[0], x.shape[1]
-    out = torch.zeros(p, d, dtype=torch.bfloat16, device=x.device)
+    out = torch.empty(p, d, dtype=torch.bfloat16, device=x.device)  # the pair sort zeroes other ranks' rows
     if p == 0:
         return out
     num_experts, inter = experts.num_experts, experts.w1.out_features
@@ -365,7 +365,8 @@ def mma_experts(x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.Te
         warps //= 2
     gate_up_tile = 32 * warps
     x = act_quant_bf16(x.contiguous(), fragment_columns=True, pdl=pdl)
-    sorted_pair, start, count, block_expert, block_index = align_pairs(pair_expert, num_experts, MAX_PAIRS, pdl)
+    sorted_pair, start, count, block_expert, block_index = align_pairs(pair_expert, num_experts, MAX_PAIRS, pdl,
+                                                                       zero_rows=out)
     num_blocks = block_expert.shape[0]
     live_blocks = min(num_experts, p)  # each expert with pairs has at least one block
     sms = sm_count(x.device)

@@ -178,12 +178,16 @@ def _down_kernel(h_ptr, out_ptr, sorted_pair_ptr, expert_start_ptr, expert_count
              mask=row_mask[None, :] & (offs_w[:, None] < D))
 
 
-def align_pairs(pair_expert: torch.Tensor, num_experts: int, block_m: int, pdl: bool = False):
+def align_pairs(pair_expert: torch.Tensor, num_experts: int, block_m: int, pdl: bool = False,
+                zero_rows: torch.Tensor | None = None):
     """``align_pairs_torch``'s result: in one launch for the few pairs of a decode step
     (``triton_align_pairs``; ``pdl``: with programmatic dependent launch), else by torch ops that sort
-    on every SM."""
+    on every SM. ``zero_rows``: a ``[P, D]`` output whose rows of pairs of no local expert are set to
+    zero (by the launch, or a memset of all of it after the torch ops)."""
     if pair_expert.shape[0] <= triton_align_pairs.MAX_PAIRS:
-        return triton_align_pairs.align_pairs(pair_expert, num_experts, block_m, pdl)
+        return triton_align_pairs.align_pairs(pair_expert, num_experts, block_m, pdl, zero_rows)
+    if zero_rows is not None:
+        zero_rows.zero_()
     return align_pairs_torch(pair_expert, num_experts, block_m)
 
 
