@@ -93,3 +93,14 @@ def test_zeroes_the_output_rows_of_pairs_of_no_local_expert(pairs, experts):
     assert torch.equal(out.cpu(), expected)
     with pytest.raises(ValueError, match="zero_rows"):
         align_pairs(ids.to(device()), experts, 16, zero_rows=out[:, :8])
+
+
+def test_the_torch_sort_of_large_steps_zeroes_the_whole_output():
+    """Above ``MAX_PAIRS`` the experts' sort runs as torch ops; with ``zero_rows`` it zeroes the whole
+    output, which the experts' kernels then write in part."""
+    from model.kernels.triton_moe import align_pairs as experts_align_pairs
+    ids = torch.randint(-1, 9, (MAX_PAIRS + 1,), generator=torch.Generator().manual_seed(1))
+    out = torch.ones(MAX_PAIRS + 1, 4, dtype=torch.bfloat16, device=device())
+    got = experts_align_pairs(ids.to(device()), 8, 16, zero_rows=out)
+    assert torch.equal(got[0].cpu(), align_pairs_torch(ids, 8, 16)[0])
+    assert not out.any()

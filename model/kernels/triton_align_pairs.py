@@ -26,6 +26,11 @@ token (``docs/benchmarks.md``). Here one program does all of it: a counting sort
 3. Blocks: ``cdiv(count, block_m)`` per expert, their inclusive prefix sum ``block_end``; block ``b``
    belongs to the number of experts whose ``block_end <= b`` (searchsorted, right side).
 
+With ``zero_rows`` (the experts' ``[P, D]`` output) step 2 also zeroes the rows of pairs of no local
+expert, the rows the experts' kernels do not write. This replaces a memset of the whole output before
+the experts' launches; a memset takes no part in programmatic dependent launch, so it was a gap in
+their chain.
+
 One program, so it pays only for small steps: the launcher uses it up to ``MAX_PAIRS`` pairs (decode
 steps up to ~680 tokens of 6 experts) and the torch version above, which sorts on every SM. Its chunks
 are no wider than the step needs (``chunk_sizes``): a one-token step's 6 pairs and 7 blocks compared

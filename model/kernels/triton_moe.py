@@ -224,13 +224,14 @@ def fused_experts(x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.
                   experts: ExpertWeights) -> torch.Tensor:
     """Routed expert outputs ``[P, D]`` bf16 of bf16 token rows ``x [N, D]``."""
     p, d = pair_token.shape[0], x.shape[1]
-    out = torch.zeros(p, d, dtype=torch.bfloat16, device=x.device)
+    out = torch.empty(p, d, dtype=torch.bfloat16, device=x.device)  # the pair sort zeroes other ranks' rows
     if p == 0:
         return out
     x = act_quant_bf16(x.contiguous())  # each token once, whatever its number of experts
     num_experts, inter = experts.num_experts, experts.w1.out_features
     cfg = moe_config(p / num_experts)
-    sorted_pair, start, count, block_expert, block_index = align_pairs(pair_expert, num_experts, cfg.block_m)
+    sorted_pair, start, count, block_expert, block_index = align_pairs(pair_expert, num_experts, cfg.block_m,
+                                                                       zero_rows=out)
     num_blocks = block_expert.shape[0]
     hidden = torch.empty(num_blocks * cfg.block_m, inter, dtype=torch.bfloat16, device=x.device)
     fmt = format_code(experts.w1)
