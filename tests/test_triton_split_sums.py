@@ -1,6 +1,7 @@
 """``triton_split_sums.sum_partials`` adds the splits' fp32 partials one by one in split order (the bits
 of a sequential fp32 sum, which the split products promise: the same bits whichever program adds),
 whatever the number of splits against its four loads per loop step."""
+
 from __future__ import annotations
 
 import numpy as np
