@@ -300,8 +300,9 @@ def main() -> int:
                              "products of 2-8 tokens back on the decode form instead of the tensor cores fed from "
                              "registers (triton_mma_gemv), -notcx the routed experts on triton_moe instead of "
                              "triton_mma_experts, -tc1 one token's FP8 products on triton_mma_gemv too instead of "
-                             "triton_gemv (these three: in-process engine only), -pdl programmatic dependent "
-                             "launch on (--enable-pdl) for that run")
+                             "triton_gemv, -sort triton_mma_experts' pair sort in every step (these four: "
+                             "in-process engine only), -pdl programmatic dependent launch on (--enable-pdl) for "
+                             "that run")
     parser.add_argument("--batch", default="1,8,32,128,256", help="sequences per DP rank")
     parser.add_argument("--dp", type=int, default=1,
                         help="data-parallel ranks (one GPU each, experts sharded): batch sizes are per rank")
@@ -340,15 +341,17 @@ def main() -> int:
     default_tensor_core_tokens = tile_configs.MMA_GEMV_MAX_TOKENS
     default_tensor_core_min_tokens = tile_configs.MMA_GEMV_MIN_TOKENS
     default_tensor_core_pairs = tile_configs.MMA_EXPERTS_MAX_PAIRS
+    default_unsorted_pairs = tile_configs.MMA_EXPERTS_UNSORTED_PAIRS
     for variant in args.kernels.split(","):
         kernels, *suffixes = variant.split("-")
         batch_invariant, eager, zos = "bi" in suffixes, "eager" in suffixes, "nozos" not in suffixes
-        if {"notc", "notcx", "tc1"} & set(suffixes) and args.dp != 1:
-            parser.error("-notc, -notcx and -tc1 set tile tables of this process: they need the in-process engine "
-                         "(--dp 1)")
+        if {"notc", "notcx", "tc1", "sort"} & set(suffixes) and args.dp != 1:
+            parser.error("-notc, -notcx, -tc1 and -sort set tile tables of this process: they need the in-process "
+                         "engine (--dp 1)")
         tile_configs.MMA_GEMV_MAX_TOKENS = 0 if "notc" in suffixes else default_tensor_core_tokens
         tile_configs.MMA_GEMV_MIN_TOKENS = 1 if "tc1" in suffixes else default_tensor_core_min_tokens
         tile_configs.MMA_EXPERTS_MAX_PAIRS = 0.0 if "notcx" in suffixes else default_tensor_core_pairs
+        tile_configs.MMA_EXPERTS_UNSORTED_PAIRS = 0 if "sort" in suffixes else default_unsorted_pairs
         runnable = [b for b in batches if kernels != "reference" or b <= args.reference_max_batch]
         if not runnable:
             continue

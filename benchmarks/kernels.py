@@ -83,6 +83,8 @@ take ``triton_mma_gemv`` (the default N is ``tile_configs.MMA_GEMV_MAX_TOKENS``)
 ``triton_mma_experts`` (default ``tile_configs.MMA_EXPERTS_MAX_PAIRS``); ``--kernels moe`` with 0 and 8
 compares the two at the decode sizes (uniform routing: 0.016 / 0.125 / 1 / 4 pairs per expert at
 M = 1 / 8 / 64 / 256).
+``--unsorted-pairs N``: steps of at most N pairs skip those kernels' pair sort (default
+``tile_configs.MMA_EXPERTS_UNSORTED_PAIRS``; 0 sorts every step).
 
 ``--batch-invariant`` measures the Triton backend's batch-invariant mode (every product in its
 prefill form) instead of the default (split-K decode form at M <= 64).
@@ -461,6 +463,9 @@ def parse_args(argv=None):
                    help="routed experts with at most this many pairs per expert on average take the tensor-core "
                         "kernels fed from registers (triton_mma_experts; 0: none; default: "
                         "tile_configs.MMA_EXPERTS_MAX_PAIRS)")
+    p.add_argument("--unsorted-pairs", type=int, default=None,
+                   help="steps of at most this many pairs skip triton_mma_experts' pair sort (0: every step "
+                        "sorts; default: tile_configs.MMA_EXPERTS_UNSORTED_PAIRS)")
     p.add_argument("--pdl", action="store_true",
                    help="the Triton kernels with programmatic dependent launch (--enable-pdl); the layer graph "
                         "is then also timed without it")
@@ -498,6 +503,8 @@ def main(argv=None) -> int:
         tile_configs.MMA_GEMV_MAX_TOKENS = int(high)
     if args.tensor_core_experts is not None:
         tile_configs.MMA_EXPERTS_MAX_PAIRS = args.tensor_core_experts
+    if args.unsorted_pairs is not None:
+        tile_configs.MMA_EXPERTS_UNSORTED_PAIRS = args.unsorted_pairs
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.cuda.set_stream(torch.cuda.Stream(device))  # one stream for everything, graphs included

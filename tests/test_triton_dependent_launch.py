@@ -38,7 +38,7 @@ def test_the_backend_passes_it_to_every_kernel_that_takes_it(monkeypatch):
     """Every method whose kernels take it, with and without: every launcher is asked for it exactly when
     the backend has it, and the outputs are the same bits (in the interpreter the kernels then run
     without it; on a GPU with it). One token's products and pairs, the grouped ``wo_a``, a few tokens'
-    products, RMSNorm, SwiGLU and the experts' chain on the tensor cores."""
+    products, RMSNorm, SwiGLU and the experts' chain on the tensor cores (with and without the pair sort)."""
     pytest.importorskip("triton")
     from model.config import WeightFormat
     from model.kernels import (ExpertWeights, tile_configs, triton_align_pairs, triton_gemv, triton_mma_experts,
@@ -58,10 +58,13 @@ def test_the_backend_passes_it_to_every_kernel_that_takes_it(monkeypatch):
     x = torch.randn(tile_configs.MMA_GEMV_MIN_TOKENS, 128, generator=gen).bfloat16().to(to)
     norm = torch.randn(128, generator=gen).bfloat16().to(to)  # (a model weight: read before the wait)
     pairs = (torch.arange(2, device=to), torch.tensor([1, 3], device=to), torch.tensor([0.5, 0.25], device=to))
+    sorted_pairs = (torch.arange(12, device=to) % 2, torch.arange(12, device=to) % 4,  # past the unsorted steps
+                    torch.rand(12, generator=gen).to(to))
     calls = [lambda k: k.quantized_linear(x[:1], w), lambda k: k.quantized_linears(x[:1], [w, w2]),
              lambda k: k.grouped_dequantized_linear(x[:1].view(1, 2, 64), grouped),
              lambda k: k.quantized_linear(x, w), lambda k: k.rms_norm(x, norm, 1e-6),
-             lambda k: k.swiglu(x[:, :64], x[:, 64:], 7.0), lambda k: k.expert_outputs(x, *pairs, experts)]
+             lambda k: k.swiglu(x[:, :64], x[:, 64:], 7.0), lambda k: k.expert_outputs(x, *pairs, experts),
+             lambda k: k.expert_outputs(x, *sorted_pairs, experts)]
     asked = []  # (launcher's module, whether it was asked for dependent launch)
     launchers = (triton_gemv, triton_mma_gemv, triton_mma_experts, triton_scaled_mm, triton_align_pairs,
                  triton_rms_norm, triton_moe_sum)

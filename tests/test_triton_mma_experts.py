@@ -91,6 +91,43 @@ def test_a_pairs_outputs_do_not_depend_on_the_rest_of_its_block(monkeypatch):
         assert torch.equal(alone, together[token:token + 1])
 
 
+@pytest.mark.parametrize("max_splits", [1, 4])
+def test_a_step_of_few_pairs_skips_the_sort_with_the_same_bits(monkeypatch, max_splits):
+    """Up to ``MMA_EXPERTS_UNSORTED_PAIRS`` pairs each pair is a block of its own, no sort: the same bits
+    as the sorted blocks, with two pairs of one expert and two of no local expert (their rows zero),
+    whether the down kernel's lanes store bf16 themselves (one split) or through its partials."""
+    _config(monkeypatch, 2, 4, max_splits=max_splits)
+    gen = torch.Generator().manual_seed(31 + max_splits)
+    experts = _experts(4, 128, 256, gen).to(device())
+    x = torch.randn(3, 128, generator=gen).bfloat16().to(device())
+    pair_token = torch.tensor([0, 0, 1, 1, 2, 2], device=device())
+    ids = torch.tensor([2, 0, 2, -1, 3, 7], device=device())
+    weights = torch.rand(6, generator=gen).to(device())
+    assert tile_configs.MMA_EXPERTS_UNSORTED_PAIRS == 8  # a one-token step of top-6 or top-8
+    sorts = []
+    real_sort = triton_mma_experts.align_pairs
+    monkeypatch.setattr(triton_mma_experts, "align_pairs", lambda *a, **kw: sorts.append(1) or real_sort(*a, **kw))
+    monkeypatch.setattr(tile_configs, "MMA_EXPERTS_UNSORTED_PAIRS", 0)
+    sorted_ = mma_experts(x, pair_token, ids, weights, experts)
+    assert sorts == [1]
+    monkeypatch.setattr(tile_configs, "MMA_EXPERTS_UNSORTED_PAIRS", 8)
+    stale = torch.full_like(sorted_, float("nan"))  # the output's memory as another kernel left it
+    monkeypatch.setattr(torch, "empty", _first_call_returns(torch.empty, stale))
+    unsorted = mma_experts(x, pair_token, ids, weights, experts)
+    assert sorts == [1] and unsorted.data_ptr() == stale.data_ptr()
+    assert torch.equal(unsorted, sorted_)
+    assert unsorted[[3, 5]].abs().max() == 0 and unsorted[[0, 1, 2, 4]].abs().min() > 0
+
+
+def _first_call_returns(empty, result):
+    calls = []
+
+    def patched(*args, **kwargs):
+        calls.append(1)
+        return result if len(calls) == 1 else empty(*args, **kwargs)
+    return patched
+
+
 def test_backend_takes_it_up_to_its_pairs_per_expert(monkeypatch):
     """Steps with at most ``MMA_EXPERTS_MAX_PAIRS`` pairs per expert on average take these kernels, equal
     to calling them directly; beyond, in the batch-invariant mode, for experts in the checkpoint's rows,

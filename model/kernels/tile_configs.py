@@ -176,3 +176,10 @@ _MMA_EXPERTS_TABLE: tuple[tuple[float, DecodeConfig], ...] = (
 
 def mma_experts_config(pairs_per_expert: float) -> DecodeConfig:
     return _pick(_MMA_EXPERTS_TABLE, pairs_per_expert)
+
+
+# Steps of at most this many pairs skip the pair sort in ``triton_mma_experts``: each pair is a block of
+# its own, in pair order (a one-token step's top-6 experts are distinct; pairs that share an expert
+# are still right, each reading the expert's weight). Saves the sort's launch, a one-program kernel
+# that sits between the activation's quantization and gate/up in every MoE layer of a decode step
+MMA_EXPERTS_UNSORTED_PAIRS = 8

@@ -23,6 +23,12 @@ the K slots its words hold) are one 32-byte load, because the activation rows ar
 fragment layout's column order (``triton_weight_tiles.fragment_column``: by ``act_quant_bf16`` for the
 tokens, by the gate/up kernel itself for its output). Loads are issued one step ahead of their use.
 
+A step of at most ``tile_configs.MMA_EXPERTS_UNSORTED_PAIRS`` pairs (one token's) skips the pair sort
+(``triton_moe.align_pairs``): each pair is a block of its own, in pair order, and the kernels read the
+pairs' experts directly (``UNSORTED``); the down kernel then zeroes the rows of pairs of no local
+expert, which the sort would have zeroed. The sort is one program that runs alone between the
+activation's quantization and gate/up; at one token its blocks would hold one pair each anyway.
+
 K is split so that enough warps stream the weight (``split_count``); every split stores its fp32
 partial sums per pair and the last to arrive adds them in split order (``triton_split_sums``). The
 gate/up kernel always goes through those partials: its epilogue (``triton_moe.hidden_round_trip``,
@@ -45,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tile_configs
 from .fp4_fragments import FRAGMENT_COLS
 from .tile_configs import mma_experts_config
 from .triton_common import INTERPRETED, sm_count, to_bf16
@@ -184,24 +191,39 @@ def _warp_sums(words_a, words_b, scales_a, scales_b, x_words, steps, K: tl.const
 
 
 @triton.jit
-def _lane_setup(block_expert_ptr, block_index_ptr, expert_start_ptr, expert_count_ptr, pid_b, WARPS: tl.constexpr,
-                INTERPRETED: tl.constexpr):
-    """(expert (< 0: an unused block), lane, its g = lane // 4 and t = lane % 4, warp, the block's pair
-    count, the sorted-list position of its first pair)."""
-    expert = tl.load(block_expert_ptr + pid_b)
-    safe = tl.maximum(expert, 0)
-    first = tl.load(block_index_ptr + pid_b) * _MAX_PAIRS
-    count = tl.minimum(tl.load(expert_count_ptr + safe) - first, _MAX_PAIRS)
+def _lane_setup(block_expert_ptr, block_index_ptr, expert_start_ptr, expert_count_ptr, pid_b, E,
+                WARPS: tl.constexpr, UNSORTED: tl.constexpr, INTERPRETED: tl.constexpr):
+    """(expert (< 0: an unused block, or a pair of no local expert), lane, its g = lane // 4 and
+    t = lane % 4, warp, the block's pair count, the sorted-list position of its first pair).
+    ``UNSORTED``: block b is pair b and ``block_expert_ptr`` the pairs' experts (no sort ran)."""
     lane, warp = warp_lanes(32 * WARPS, INTERPRETED)
-    return expert, lane, lane // 4, lane % 4, warp, count, tl.load(expert_start_ptr + safe) + first
+    if UNSORTED:
+        expert = tl.load(block_expert_ptr + pid_b)
+        expert = tl.where((expert >= 0) & (expert < E), expert, -1)
+        return expert, lane, lane // 4, lane % 4, warp, 1, pid_b
+    else:
+        expert = tl.load(block_expert_ptr + pid_b)
+        safe = tl.maximum(expert, 0)
+        first = tl.load(block_index_ptr + pid_b) * _MAX_PAIRS
+        count = tl.minimum(tl.load(expert_count_ptr + safe) - first, _MAX_PAIRS)
+        return expert, lane, lane // 4, lane % 4, warp, count, tl.load(expert_start_ptr + safe) + first
 
 
 @triton.jit
-def _lane_pairs(sorted_pair_ptr, first, count, t):
+def _pair_ids(sorted_pair_ptr, positions, live, UNSORTED: tl.constexpr):
+    """The pair ids at these positions of the sorted list (unsorted: the positions themselves)."""
+    if UNSORTED:
+        return positions.to(tl.int64)
+    else:
+        return tl.load(sorted_pair_ptr + positions, mask=live, other=0).to(tl.int64)
+
+
+@triton.jit
+def _lane_pairs(sorted_pair_ptr, first, count, t, UNSORTED: tl.constexpr):
     """The pairs of a lane's sum columns 2t and 2t + 1, and whether each exists."""
     live_even, live_odd = 2 * t < count, 2 * t + 1 < count
-    pair_even = tl.load(sorted_pair_ptr + first + 2 * t, mask=live_even, other=0).to(tl.int64)
-    pair_odd = tl.load(sorted_pair_ptr + first + 2 * t + 1, mask=live_odd, other=0).to(tl.int64)
+    pair_even = _pair_ids(sorted_pair_ptr, first + 2 * t, live_even, UNSORTED)
+    pair_odd = _pair_ids(sorted_pair_ptr, first + 2 * t + 1, live_odd, UNSORTED)
     return pair_even, pair_odd, live_even, live_odd
 
 
@@ -223,14 +245,14 @@ def _store_group(ptr, sums, row, pairs, width, live, PARTIAL: tl.constexpr, INTE
 @triton.jit
 def _gate_up_kernel(x_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_ptr, expert_start_ptr, expert_count_ptr,
                     block_expert_ptr, block_index_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, part_ptr,
-                    counter_ptr, P, stride_we, stride_se, limit, steps_per_split, splits,
-                    D: tl.constexpr, INTER: tl.constexpr, WARPS: tl.constexpr, PDL: tl.constexpr,
-                    INTERPRETED: tl.constexpr):
+                    counter_ptr, P, E, stride_we, stride_se, limit, steps_per_split, splits,
+                    D: tl.constexpr, INTER: tl.constexpr, WARPS: tl.constexpr, UNSORTED: tl.constexpr,
+                    PDL: tl.constexpr, INTERPRETED: tl.constexpr):
     pid_w, pid_b, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     wait_for_previous_kernel(PDL)  # even the expert to read comes from the previous kernel (the routing)
     let_next_kernel_start(PDL)
     expert, lane, g, t, warp, count, first = _lane_setup(block_expert_ptr, block_index_ptr, expert_start_ptr,
-                                                         expert_count_ptr, pid_b, WARPS, INTERPRETED)
+                                                         expert_count_ptr, pid_b, E, WARPS, UNSORTED, INTERPRETED)
     if expert < 0:
         return
     TILE: tl.constexpr = 32 * WARPS  # rows of w1 (and the same rows of w3) per program
@@ -239,7 +261,8 @@ def _gate_up_kernel(x_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_ptr, exp
     steps = tl.minimum(steps_per_split, D // _STEP - step0)
     e = expert.to(tl.int64)
     # pair g's token (a lane past the block's pairs reads the first pair's: those sums are not kept)
-    token = tl.load(pair_token_ptr + tl.load(sorted_pair_ptr + first + tl.where(g < count, g, 0))).to(tl.int64)
+    token = tl.load(pair_token_ptr + _pair_ids(sorted_pair_ptr, first + tl.where(g < count, g, 0), lane >= 0,
+                                               UNSORTED)).to(tl.int64)
     x_words = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + token * (D // 4) + step0 * 16 + t * 4
     words = e * (stride_we // 8) + (row0 // _GROUP_ROWS * (D // _STEP) + step0) * 64 + lane * 2
     scales = e * (stride_se // 2) + (row0 // _GROUP_ROWS * (D // 32) + 2 * step0) * 8 + g
@@ -249,7 +272,7 @@ def _gate_up_kernel(x_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_ptr, exp
         s1_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + scales,
         s3_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + scales, x_words, steps, D, 32 * WARPS, INTERPRETED)
     # every split's fp32 partials [splits, P, 2 * INTER]: a pair's gate sums at column r, its up at INTER + r
-    pairs = _lane_pairs(sorted_pair_ptr, first, count, t)
+    pairs = _lane_pairs(sorted_pair_ptr, first, count, t, UNSORTED)
     partials = part_ptr + split * P * (2 * INTER)
     every = lane >= 0  # (INTER is whole tiles: every warp's rows exist)
     _store_group(partials, gate_rows, row0 + g, pairs, 2 * INTER, every, True, INTERPRETED)
@@ -259,18 +282,19 @@ def _gate_up_kernel(x_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_ptr, exp
     counter_ptr += pid_b * tl.num_programs(0) + pid_w
     if last_to_arrive(counter_ptr, splits):  # (one split: this program, after a barrier)
         _gate_up_epilogue(pair_weight_ptr, sorted_pair_ptr, h_ptr, part_ptr, P, limit, splits, count, first,
-                          pid_w, pid_b, INTER, TILE, INTERPRETED)
+                          pid_w, pid_b, INTER, TILE, UNSORTED, INTERPRETED)
         reset_counter(counter_ptr)
 
 
 @triton.jit
 def _gate_up_epilogue(pair_weight_ptr, sorted_pair_ptr, h_ptr, part_ptr, P, limit, splits, count, first, pid_w,
-                      pid_b, INTER: tl.constexpr, TILE: tl.constexpr, INTERPRETED: tl.constexpr):
+                      pid_b, INTER: tl.constexpr, TILE: tl.constexpr, UNSORTED: tl.constexpr,
+                      INTERPRETED: tl.constexpr):
     """The tile's gate and up sums (all splits added) -> its features of the down projection's input,
     stored at the block's rows of ``h`` in the fragment layout's column order."""
     slots = tl.arange(0, _MAX_PAIRS)
     live = slots < count
-    pairs = tl.load(sorted_pair_ptr + first + slots, mask=live, other=0).to(tl.int64)
+    pairs = _pair_ids(sorted_pair_ptr, first + slots, live, UNSORTED)
     rows = pid_w * TILE + tl.arange(0, TILE)
     places = part_ptr + pairs[None, :] * (2 * INTER) + rows[:, None]  # [rows, pairs]
     gate = sum_partials(places, splits, P * 2 * INTER, live[None, :])
@@ -284,17 +308,20 @@ def _gate_up_epilogue(pair_weight_ptr, sorted_pair_ptr, h_ptr, part_ptr, P, limi
 
 @triton.jit
 def _down_kernel(h_ptr, out_ptr, sorted_pair_ptr, expert_start_ptr, expert_count_ptr, block_expert_ptr,
-                 block_index_ptr, w2_ptr, s2_ptr, part_ptr, counter_ptr, P, stride_we, stride_se, steps_per_split,
-                 splits, D: tl.constexpr, INTER: tl.constexpr, WARPS: tl.constexpr, PARTIAL: tl.constexpr,
-                 PDL: tl.constexpr, INTERPRETED: tl.constexpr):
+                 block_index_ptr, w2_ptr, s2_ptr, part_ptr, counter_ptr, P, E, stride_we, stride_se,
+                 steps_per_split, splits, D: tl.constexpr, INTER: tl.constexpr, WARPS: tl.constexpr,
+                 PARTIAL: tl.constexpr, UNSORTED: tl.constexpr, PDL: tl.constexpr, INTERPRETED: tl.constexpr):
     pid_w, pid_b, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     wait_for_previous_kernel(PDL)
     let_next_kernel_start(PDL)
     expert, lane, g, t, warp, count, first = _lane_setup(block_expert_ptr, block_index_ptr, expert_start_ptr,
-                                                         expert_count_ptr, pid_b, WARPS, INTERPRETED)
-    if expert < 0:
-        return
+                                                         expert_count_ptr, pid_b, E, WARPS, UNSORTED, INTERPRETED)
     TILE: tl.constexpr = _ROWS_PER_WARP * WARPS  # rows of w2 (output features) per program
+    if expert < 0:
+        if UNSORTED and split == 0:  # a pair of no local expert: its row is zero (no sort zeroed it)
+            rows = pid_w * TILE + tl.arange(0, TILE)
+            tl.store(out_ptr + pid_b.to(tl.int64) * D + rows, tl.zeros((TILE,), dtype=tl.bfloat16), mask=rows < D)
+        return
     warp_row = pid_w * TILE + warp * _ROWS_PER_WARP
     live = warp_row < D  # D is whole groups of 64 rows: a warp's rows all exist or none does
     row0 = tl.minimum(warp_row, D - _ROWS_PER_WARP)  # a warp past the last row reads the last rows
@@ -313,7 +340,7 @@ def _down_kernel(h_ptr, out_ptr, sorted_pair_ptr, expert_start_ptr, expert_count
     first_rows, second_rows, third_rows, fourth_rows = _warp_sums(
         words, words + 2 * GROUP_WORDS, scales, scales + 2 * GROUP_SCALES, x_words, steps, INTER, 32 * WARPS,
         INTERPRETED)
-    pairs = _lane_pairs(sorted_pair_ptr, first, count, t)
+    pairs = _lane_pairs(sorted_pair_ptr, first, count, t, UNSORTED)
     destination = part_ptr + split * P * D if PARTIAL else out_ptr
     _store_group(destination, first_rows, row0 + g, pairs, D, live, PARTIAL, INTERPRETED)
     _store_group(destination, second_rows, row0 + 16 + g, pairs, D, live, PARTIAL, INTERPRETED)
@@ -324,7 +351,7 @@ def _down_kernel(h_ptr, out_ptr, sorted_pair_ptr, expert_start_ptr, expert_count
         if last_to_arrive(counter_ptr, splits):
             slots = tl.arange(0, _MAX_PAIRS)
             pair_live = slots < count
-            pair_ids = tl.load(sorted_pair_ptr + first + slots, mask=pair_live, other=0).to(tl.int64)
+            pair_ids = _pair_ids(sorted_pair_ptr, first + slots, pair_live, UNSORTED)
             rows = pid_w * TILE + tl.arange(0, TILE)
             places = pair_ids[None, :] * D + rows[:, None]
             mask = pair_live[None, :] & (rows < D)[:, None]
@@ -348,8 +375,8 @@ def takes(experts: ExpertWeights) -> bool:
 def mma_experts(x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.Tensor, pair_weight: torch.Tensor,
                 experts: ExpertWeights, pdl: bool = False) -> torch.Tensor:
     """Routed expert outputs ``[P, D]`` bf16 of bf16 token rows ``x [N, D]`` (``fused_experts``'s
-    contract), for experts that this module ``takes``; ``pdl``: its four kernels (the activation's
-    quantization, the pairs' sort, gate/up and down) with programmatic dependent launch where the GPU
+    contract), for experts that this module ``takes``; ``pdl``: its kernels (the activation's
+    quantization, the pairs' sort unless the step skips it, gate/up and down) with programmatic dependent launch where the GPU
     has it (``triton_dependent_launch``)."""
     if not takes(experts):
         raise ValueError("mma_experts reads FP4 experts in the fragment layout, D and the intermediate width "
@@ -365,9 +392,14 @@ def mma_experts(x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.Te
         warps //= 2
     gate_up_tile = 32 * warps
     x = act_quant_bf16(x.contiguous(), fragment_columns=True, pdl=pdl)
-    sorted_pair, start, count, block_expert, block_index = align_pairs(pair_expert, num_experts, MAX_PAIRS, pdl,
-                                                                       zero_rows=out)
-    num_blocks = block_expert.shape[0]
+    unsorted = p <= tile_configs.MMA_EXPERTS_UNSORTED_PAIRS
+    if unsorted:  # block b is pair b: the kernels read the pairs' experts and nothing of a sort
+        block_expert = sorted_pair = start = count = block_index = pair_expert
+        num_blocks = p
+    else:
+        sorted_pair, start, count, block_expert, block_index = align_pairs(pair_expert, num_experts, MAX_PAIRS,
+                                                                           pdl, zero_rows=out)
+        num_blocks = block_expert.shape[0]
     live_blocks = min(num_experts, p)  # each expert with pairs has at least one block
     sms = sm_count(x.device)
     gate_up_cfg = dataclasses.replace(cfg, block_w=gate_up_tile, block_k=STEP, num_warps=warps)
@@ -383,11 +415,12 @@ def mma_experts(x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.Te
     s1, s3, s2 = (w.scales.view(torch.uint8) for w in (experts.w1, experts.w3, experts.w2))
     _gate_up_kernel[(gate_up_tiles, num_blocks, gate_up_splits)](
         x, pair_token, pair_weight, sorted_pair, start, count, block_expert, block_index, w1, s1, w3, s3, hidden,
-        gate_up_parts, counters, p, w1.stride(0), s1.stride(0), float(experts.swiglu_limit), gate_up_k // STEP,
-        gate_up_splits, D=d, INTER=inter, WARPS=warps, INTERPRETED=INTERPRETED, num_warps=warps,
-        **launch_arguments(pdl, x.device))
+        gate_up_parts, counters, p, num_experts, w1.stride(0), s1.stride(0), float(experts.swiglu_limit),
+        gate_up_k // STEP, gate_up_splits, D=d, INTER=inter, WARPS=warps, UNSORTED=unsorted, INTERPRETED=INTERPRETED,
+        num_warps=warps, **launch_arguments(pdl, x.device))
     _down_kernel[(down_tiles, num_blocks, down_splits)](
         hidden, out, sorted_pair, start, count, block_expert, block_index, w2, s2, down_parts, counters, p,
-        w2.stride(0), s2.stride(0), down_k // STEP, down_splits, D=d, INTER=inter, WARPS=warps,
-        PARTIAL=down_splits > 1, INTERPRETED=INTERPRETED, num_warps=warps, **launch_arguments(pdl, x.device))
+        num_experts, w2.stride(0), s2.stride(0), down_k // STEP, down_splits, D=d, INTER=inter, WARPS=warps,
+        PARTIAL=down_splits > 1, UNSORTED=unsorted, INTERPRETED=INTERPRETED, num_warps=warps,
+        **launch_arguments(pdl, x.device))
     return out
