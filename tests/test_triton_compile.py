@@ -272,16 +272,16 @@ def main() -> int:
                          "part_ptr": "*fp32", "counter_ptr": "*i32", "limit": "fp32", **index, **weights,
                          **scalars("P E stride_we stride_se steps_per_split splits")}
         lanes = register_fed(cfg.num_warps, "HMMA.16816.F32.BF16")
-        for pdl, unsorted in ((False, True), (True, False)):  # (a one-token step without PDL skips the sort)
+        for pdl, unsorted in ((False, True), (True, False), (True, True)):  # (unsorted: a one-token step)
             experts_sizes["UNSORTED"] = unsorted
             check(f"mma_experts gate_up unsorted={unsorted} {cfg}", triton_mma_experts._gate_up_kernel, experts_types,
-                  experts_sizes, cfg, wgmma=False, spill_free=True, inspect=lanes, pdl=pdl,
+                  experts_sizes, cfg, wgmma=False, spill_free=True, inspect=lanes, pdl=pdl, prefetch=unsorted,
                   aligned=("x_ptr", "h_ptr", "part_ptr", "w1_ptr", "s1_ptr", "w3_ptr", "s3_ptr", "stride_we",
                            "stride_se"))
             for partial in (False, True):
                 check(f"mma_experts down partial={partial} unsorted={unsorted} {cfg}", triton_mma_experts._down_kernel,
                       experts_types, {**experts_sizes, "PARTIAL": partial}, cfg, wgmma=False, spill_free=True,
-                      inspect=lanes, pdl=pdl,
+                      inspect=lanes, pdl=pdl, prefetch=unsorted,
                       aligned=("h_ptr", "out_ptr", "part_ptr", "w2_ptr", "s2_ptr", "stride_we", "stride_se"))
     for same in (False, True):
         check(f"greedy chunk same={same}", triton_greedy._chunk_kernel,

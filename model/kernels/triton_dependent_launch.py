@@ -9,14 +9,19 @@ exited; its programs then do what needs nothing from earlier kernels and block i
 ``griddepcontrol.wait`` (``wait_for_previous_kernel``) until the previous kernel has completed and
 its writes are visible.
 
-The rule every kernel launched this way keeps: **before its wait it only reads memory that no kernel
-of the step writes** (the weights and their scales) **and writes nothing**. Its inputs, its scratch,
-its outputs and the split counters (``triton_split_sums``) are touched after the wait, so the previous
-kernel has finished with all of them, whatever buffer the allocator handed out twice. The guarantee
-chains: a kernel completes only after its own wait returned, so waiting for the previous kernel also
-waits for every kernel before it, PDL-launched or not. Each kernel calls ``let_next_kernel_start`` right
-after its wait, so at most two kernels' programs are resident at a time, the second's blocked in
-its wait or streaming its first weights.
+The rule every kernel launched this way keeps: **before its wait it writes nothing and reads nothing
+that the kernel right before it writes**. What it may read there: the weights and their scales, which
+no kernel of the step writes, and what kernels before the previous one wrote. Each kernel calls
+``let_next_kernel_start`` only after its own wait returned, so when a kernel starts, the one before it
+has passed its wait: every kernel before that one has completed and its writes are visible. The
+routed experts of a one-token step use this: their kernels read the routing's expert ids (written
+before the activation's quantization, the kernel right before gate/up) and load their first weights
+before the wait. The inputs that the previous kernel writes, the scratch, the outputs and the split
+counters (``triton_split_sums``) are touched after the wait, so the previous kernel has finished with
+all of them, whatever buffer the allocator handed out twice. The guarantee chains: a kernel
+completes only after its own wait returned, so waiting for the previous kernel also waits for every
+kernel before it, PDL-launched or not. At most two kernels' programs are resident at a time, the
+second's blocked in its wait or streaming its first weights.
 
 A kernel launched without the attribute (a torch kernel, say) after one that let the next start
 simply waits for it to complete, as always; the instructions are no-ops when the kernel was not
@@ -25,7 +30,8 @@ launched with the attribute, so the same compiled kernel is correct either way.
 Used by the decode-sized products, which load their first weights before the wait (``triton_gemv``,
 ``triton_mma_gemv``), by the routed experts' chain on the tensor cores (``triton_mma_experts``: the
 activation's quantization, the pairs' sort, gate/up and down; which weights they read depends on the
-routing, so they only overlap their launches) and by the small kernels a decode step runs right
+routing, so after a sort they only overlap their launches, and without one they load their first
+weights early as above) and by the small kernels a decode step runs right
 before products (``triton_rms_norm``, which loads its norm weight first, and the SwiGLU of
 ``triton_moe_sum``), so that those products start early too. Off unless asked for (``--enable-pdl``);
 the interpreter has no such instructions, so interpreted kernels never use it.

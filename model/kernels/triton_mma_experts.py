@@ -132,13 +132,24 @@ def _load_group(words, scales):
 
 
 @triton.jit
+def _load_weights(words_a, words_b, scales_a, scales_b, GROUP_WORDS: tl.constexpr, GROUP_SCALES: tl.constexpr):
+    """A lane's weight operands of one step (at the pointers): groups ``a``, ``a`` + 1, ``b``, ``b`` + 1."""
+    return (_load_group(words_a, scales_a), _load_group(words_a + GROUP_WORDS, scales_a + GROUP_SCALES),
+            _load_group(words_b, scales_b), _load_group(words_b + GROUP_WORDS, scales_b + GROUP_SCALES))
+
+
+@triton.jit
+def _load_x(x_words):
+    """A lane's four activation words of one step (pair g's B fragments of its four 16-column products)."""
+    return tl.load(x_words), tl.load(x_words + 1), tl.load(x_words + 2), tl.load(x_words + 3)
+
+
+@triton.jit
 def _load_step(words_a, words_b, scales_a, scales_b, x_words, GROUP_WORDS: tl.constexpr,
                GROUP_SCALES: tl.constexpr):
-    """A lane's operands of one step (at the pointers): groups ``a``, ``a`` + 1, ``b``, ``b`` + 1 and
-    its four activation words (pair g's B fragments of the step's four 16-column products)."""
-    return (_load_group(words_a, scales_a), _load_group(words_a + GROUP_WORDS, scales_a + GROUP_SCALES),
-            _load_group(words_b, scales_b), _load_group(words_b + GROUP_WORDS, scales_b + GROUP_SCALES),
-            (tl.load(x_words), tl.load(x_words + 1), tl.load(x_words + 2), tl.load(x_words + 3)))
+    """A lane's operands of one step: its weights' four groups and its four activation words."""
+    a, a_next, b, b_next = _load_weights(words_a, words_b, scales_a, scales_b, GROUP_WORDS, GROUP_SCALES)
+    return a, a_next, b, b_next, _load_x(x_words)
 
 
 @triton.jit
@@ -160,15 +171,20 @@ def _add_step(sums, step, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def _warp_sums(words_a, words_b, scales_a, scales_b, x_words, steps, K: tl.constexpr, THREADS: tl.constexpr,
-               INTERPRETED: tl.constexpr):
+               WAIT: tl.constexpr, INTERPRETED: tl.constexpr):
     """A lane's sums of its four groups over ``steps`` steps from the pointers of the first step. Each
     step's loads are issued before the previous step's products, into two sets of registers taken in
-    turn (two steps per loop iteration), so that no loaded value is copied from one to the other."""
+    turn (two steps per loop iteration), so that no loaded value is copied from one to the other.
+    ``WAIT``: the kernel's wait for the previous one (``triton_dependent_launch``) comes here, between
+    the first step's weights and its activation (which the previous kernel writes)."""
     GROUP_WORDS: tl.constexpr = K // _STEP * 64  # one 16-row group's words, in 8-byte units
     GROUP_SCALES: tl.constexpr = K // 32 * 8  # its scale pairs, in 2-byte units
     zero = tl.zeros((THREADS,), dtype=tl.float32)
     sums = ((zero, zero, zero, zero), (zero, zero, zero, zero), (zero, zero, zero, zero), (zero, zero, zero, zero))
-    even = _load_step(words_a, words_b, scales_a, scales_b, x_words, GROUP_WORDS, GROUP_SCALES)
+    a, a_next, b, b_next = _load_weights(words_a, words_b, scales_a, scales_b, GROUP_WORDS, GROUP_SCALES)
+    wait_for_previous_kernel(WAIT)
+    let_next_kernel_start(WAIT)
+    even = (a, a_next, b, b_next, _load_x(x_words))
     for _ in range(0, (steps - 1) // 2):
         odd = _load_step(words_a + 64, words_b + 64, scales_a + 16, scales_b + 16, x_words + 16, GROUP_WORDS,
                          GROUP_SCALES)  # a step: 512 bytes of a group's words, 32 of its scales, 128 of activation
@@ -249,8 +265,12 @@ def _gate_up_kernel(x_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_ptr, exp
                     D: tl.constexpr, INTER: tl.constexpr, WARPS: tl.constexpr, UNSORTED: tl.constexpr,
                     PDL: tl.constexpr, INTERPRETED: tl.constexpr):
     pid_w, pid_b, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    wait_for_previous_kernel(PDL)  # even the expert to read comes from the previous kernel (the routing)
-    let_next_kernel_start(PDL)
+    # sorted: even the expert to read comes from the previous kernel (the sort), so the wait comes
+    # first; unsorted: the previous kernel (the activation's quantization) writes only x, and the
+    # experts come from the routing before it, so the first weights are loaded before the wait
+    EARLY: tl.constexpr = PDL and UNSORTED
+    wait_for_previous_kernel(PDL and not UNSORTED)
+    let_next_kernel_start(PDL and not UNSORTED)
     expert, lane, g, t, warp, count, first = _lane_setup(block_expert_ptr, block_index_ptr, expert_start_ptr,
                                                          expert_count_ptr, pid_b, E, WARPS, UNSORTED, INTERPRETED)
     if expert < 0:
@@ -270,7 +290,8 @@ def _gate_up_kernel(x_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_ptr, exp
         w1_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + words,
         w3_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + words,
         s1_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + scales,
-        s3_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + scales, x_words, steps, D, 32 * WARPS, INTERPRETED)
+        s3_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + scales, x_words, steps, D, 32 * WARPS, EARLY,
+        INTERPRETED)
     # every split's fp32 partials [splits, P, 2 * INTER]: a pair's gate sums at column r, its up at INTER + r
     pairs = _lane_pairs(sorted_pair_ptr, first, count, t, UNSORTED)
     partials = part_ptr + split * P * (2 * INTER)
@@ -312,13 +333,16 @@ def _down_kernel(h_ptr, out_ptr, sorted_pair_ptr, expert_start_ptr, expert_count
                  steps_per_split, splits, D: tl.constexpr, INTER: tl.constexpr, WARPS: tl.constexpr,
                  PARTIAL: tl.constexpr, UNSORTED: tl.constexpr, PDL: tl.constexpr, INTERPRETED: tl.constexpr):
     pid_w, pid_b, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    wait_for_previous_kernel(PDL)
-    let_next_kernel_start(PDL)
+    # unsorted: the first weights are loaded before the wait, as in gate/up (gate/up writes only h)
+    EARLY: tl.constexpr = PDL and UNSORTED
+    wait_for_previous_kernel(PDL and not UNSORTED)
+    let_next_kernel_start(PDL and not UNSORTED)
     expert, lane, g, t, warp, count, first = _lane_setup(block_expert_ptr, block_index_ptr, expert_start_ptr,
                                                          expert_count_ptr, pid_b, E, WARPS, UNSORTED, INTERPRETED)
     TILE: tl.constexpr = _ROWS_PER_WARP * WARPS  # rows of w2 (output features) per program
     if expert < 0:
         if UNSORTED and split == 0:  # a pair of no local expert: its row is zero (no sort zeroed it)
+            wait_for_previous_kernel(EARLY)  # (a store: never before the wait)
             rows = pid_w * TILE + tl.arange(0, TILE)
             tl.store(out_ptr + pid_b.to(tl.int64) * D + rows, tl.zeros((TILE,), dtype=tl.bfloat16), mask=rows < D)
         return
@@ -339,7 +363,7 @@ def _down_kernel(h_ptr, out_ptr, sorted_pair_ptr, expert_start_ptr, expert_count
     GROUP_SCALES: tl.constexpr = INTER // 32 * 8
     first_rows, second_rows, third_rows, fourth_rows = _warp_sums(
         words, words + 2 * GROUP_WORDS, scales, scales + 2 * GROUP_SCALES, x_words, steps, INTER, 32 * WARPS,
-        INTERPRETED)
+        EARLY, INTERPRETED)
     pairs = _lane_pairs(sorted_pair_ptr, first, count, t, UNSORTED)
     destination = part_ptr + split * P * D if PARTIAL else out_ptr
     _store_group(destination, first_rows, row0 + g, pairs, D, live, PARTIAL, INTERPRETED)
