@@ -181,5 +181,7 @@ def mma_experts_config(pairs_per_expert: float) -> DecodeConfig:
 # Steps of at most this many pairs skip the pair sort in ``triton_mma_experts``: each pair is a block of
 # its own, in pair order (a one-token step's top-6 experts are distinct; pairs that share an expert
 # are still right, each reading the expert's weight). Saves the sort's launch, a one-program kernel
-# that sits between the activation's quantization and gate/up in every MoE layer of a decode step
+# that sits between the activation's quantization and gate/up in every MoE layer of a decode step. On one
+# H100 (``benchmarks/kernels.py --kernels moe --m 1 --unsorted-pairs 0`` / default; docs/benchmarks.md) a
+# one-token step's experts took 53.6 instead of 59.3 us
 MMA_EXPERTS_UNSORTED_PAIRS = 8

@@ -33,8 +33,11 @@ activation's quantization, the pairs' sort, gate/up and down; which weights they
 routing, so after a sort they only overlap their launches, and without one they load their first
 weights early as above) and by the small kernels a decode step runs right
 before products (``triton_rms_norm``, which loads its norm weight first, and the SwiGLU of
-``triton_moe_sum``), so that those products start early too. Off unless asked for (``--enable-pdl``);
-the interpreter has no such instructions, so interpreted kernels never use it.
+``triton_moe_sum``), so that those products start early too. Off unless asked for (``--enable-pdl``):
+on one H100 a layer's nine FP8 projections in one CUDA graph took 88.2 / 113.9 / 123.8 / 143.4 µs at
+1 / 2 / 4 / 8 tokens with it against 86.8 / 116.8 / 119.0 / 139.4 without, and a one-token step's
+experts 51.4 against 53.6 µs (without the sort; 60.2 against 59.3 with it; docs/benchmarks.md). The
+interpreter has no such instructions, so interpreted kernels never use it.
 """
 
 from __future__ import annotations
