@@ -213,12 +213,11 @@ def _lane_setup(block_expert_ptr, block_index_ptr, expert_start_ptr, expert_coun
     t = lane % 4, warp, the block's pair count, the sorted-list position of its first pair).
     ``UNSORTED``: block b is pair b and ``block_expert_ptr`` the pairs' experts (no sort ran)."""
     lane, warp = warp_lanes(32 * WARPS, INTERPRETED)
+    expert = tl.load(block_expert_ptr + pid_b)
     if UNSORTED:
-        expert = tl.load(block_expert_ptr + pid_b)
         expert = tl.where((expert >= 0) & (expert < E), expert, -1)
         return expert, lane, lane // 4, lane % 4, warp, 1, pid_b
     else:
-        expert = tl.load(block_expert_ptr + pid_b)
         safe = tl.maximum(expert, 0)
         first = tl.load(block_index_ptr + pid_b) * _MAX_PAIRS
         count = tl.minimum(tl.load(expert_count_ptr + safe) - first, _MAX_PAIRS)
