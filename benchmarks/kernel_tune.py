@@ -42,6 +42,10 @@ def run_tune(bench, ms: list[int]) -> None:
     # program (dividing 32), K columns per step, warps, programs per SM before split-K stops
     gemv_cfgs = [tables.DecodeConfig(bw, bk, warps, 1, pps) for bw in (16, 32) for bk in (128, 256, 512)
                  for warps in (2, 4, 8) for pps in (4, 8)]
+    # ... and with the weight streamed through a ring of 3-4 tiles in shared memory, where long steps and
+    # few programs per SM (fewer K splits) measured best
+    gemv_cfgs += [tables.DecodeConfig(bw, bk, bw // 8, stages, pps) for bw in (16, 32) for bk in (256, 512)
+                  for stages in (3, 4) for pps in (1, 2)]
     # a few tokens' FP8 products on the tensor cores fed from registers (triton_mma_gemv): 32 weight rows per
     # warp, 2-8 warps, one, two or four 32-column blocks per loop step, 2-16 programs per SM before split-K stops;
     # swept against whatever the backend uses now at M <= 8 (its default), so the sweep is also the

@@ -60,7 +60,8 @@ script stops with exit status 1 if any difference exceeds 1e-2 or any output is 
 
 ``--tune`` sweeps, at the given M values, the configs of the FP8 linears' one-token form (M = 1 outside
 ``--batch-invariant``, ``triton_gemv``: 16-32 weight rows x 128-512 K columns per step, 2-8 warps, 4 or 8
-programs per SM before split-K stops; outputs compared with the default config's within the
+programs per SM before split-K stops, the weight in registers; and 256-512 columns with a ring of 3-4
+tiles in shared memory, 1 or 2 programs per SM; outputs compared with the default config's within the
 tolerance), of the tensor-core matrix-vector form at M <= 8 (``triton_mma_gemv``: 2-8 warps of 32
 weight rows, 2-16 programs per SM before split-K stops; swept against the backend's current form at
 that M, outputs compared within the tolerance), of their decode form (M <= 64:
@@ -85,6 +86,9 @@ compares the two at the decode sizes (uniform routing: 0.016 / 0.125 / 1 / 4 pai
 M = 1 / 8 / 64 / 256).
 ``--unsorted-pairs N``: steps of at most N pairs skip those kernels' pair sort (default
 ``tile_configs.MMA_EXPERTS_UNSORTED_PAIRS``; 0 sorts every step).
+``--gemv-configs 32x128w4s1p4,32x128w4s4p2,...`` times the one-token layer graph again with each of
+these ``triton_gemv`` configs (rows x columns a step, warps, stages: 1 the weight in registers, more a
+ring of tiles in shared memory, programs per SM), in the same run as the default.
 
 ``--batch-invariant`` measures the Triton backend's batch-invariant mode (every product in its
 prefill form) instead of the default (split-K decode form at M <= 64).
@@ -98,6 +102,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -109,7 +114,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks.device_limits import STARTED, MB, Ceilings, Timer, Timing, log, measure_ceilings  # noqa: E402,F401
-from benchmarks.kernel_tune import run_tune, tune_markdown  # noqa: E402
+from benchmarks.kernel_tune import override_tables, run_tune, tune_markdown  # noqa: E402
 from benchmarks.kernel_checks import (CorrectnessError, check, check_rows, input_sets, limit_of,  # noqa: E402
                                       linear_bytes, rel_err, us)
 from benchmarks.kernel_inputs import (FLASH, TINY, LinearSpec, Shapes, fp4_stack, layer_calls,  # noqa: E402
@@ -469,8 +474,17 @@ def parse_args(argv=None):
     p.add_argument("--pdl", action="store_true",
                    help="the Triton kernels with programmatic dependent launch (--enable-pdl); the layer graph "
                         "is then also timed without it")
+    p.add_argument("--gemv-configs", default=None,
+                   help="also time the one-token layer graph with each of these triton_gemv configs, "
+                        "comma-separated ROWSxCOLUMNSwWARPSsSTAGESpPROGRAMS (e.g. 32x128w4s1p4: 32 rows x 128 "
+                        "columns a step, 4 warps, the weight in registers (s1) or through a ring of that many "
+                        "tiles in shared memory (s3, s4, ...), split-K until 4 programs per SM)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    try:
+        args.gemv_configs = [parse_gemv_config(text) for text in (args.gemv_configs or "").split(",") if text]
+    except ValueError as exc:
+        p.error(str(exc))
     if args.m is None:
         if args.tiny:
             args.m = "1,64" if args.quick else "1,8,64,300"
@@ -486,6 +500,22 @@ def parse_args(argv=None):
     if args.tune_only:
         args.tune = True
     return args
+
+
+def parse_gemv_config(text: str) -> tuple[int, int, int, int, int]:
+    """``32x128w4s1p4`` -> the fields of a ``triton_gemv`` config (``DecodeConfig``: rows, columns a step,
+    warps, stages, programs per SM)."""
+    found = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)p(\d+)", text.strip())
+    if not found:
+        raise ValueError(f"a triton_gemv config is ROWSxCOLUMNSwWARPSsSTAGESpPROGRAMS, got {text!r}")
+    rows, columns, warps, stages, programs = map(int, found.groups())
+    if 32 % rows or columns % 32:
+        raise ValueError(f"triton_gemv's rows divide 32 and its columns are whole 32-column blocks, got {text!r}")
+    return rows, columns, warps, stages, programs
+
+
+def gemv_config_text(cfg: tile_configs.DecodeConfig) -> str:
+    return f"{cfg.block_w}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}p{cfg.programs_per_sm}"
 
 
 def main(argv=None) -> int:
@@ -546,6 +576,15 @@ def main(argv=None) -> int:
                     log(f"layer FP8 linears M={m}: graph {us(entry['graph_s'])} us, sum {us(entry['sum_s'])} us, "
                         f"memory limit {us(entry['mem_limit_s'])} us -> {entry['pct_mem_limit']:.0%}"
                         + (f"; without PDL {us(entry['graph_without_pdl_s'])} us" if args.pdl else ""))
+                    if m == 1:  # the one-token products' (triton_gemv's) configs, each in the same graph
+                        entry["gemv_configs"] = {}
+                        for fields in args.gemv_configs:
+                            cfg = tile_configs.DecodeConfig(*fields)
+                            with override_tables(gemv=cfg):
+                                graph_s = bench.run_layer_graph(m, bench.tk)["graph_s"]
+                            entry["gemv_configs"][gemv_config_text(cfg)] = graph_s
+                            log(f"layer FP8 linears M={m} with triton_gemv {gemv_config_text(cfg)}: graph "
+                                f"{us(graph_s)} us -> {entry['mem_limit_s'] / graph_s:.0%}")
         if args.tune:
             run_tune(bench, args.ms)
     except CorrectnessError as exc:

@@ -119,3 +119,12 @@ def test_tensor_core_experts_puts_the_routed_experts_on_the_tensor_core_kernels(
     assert calls and set(calls) == {4}  # 2 tokens x top-2
     doc = json.loads((tmp_path / "on.json").read_text())
     assert doc["error"] is None and all(r["rel_err"] <= 1e-2 for r in doc["results"])
+
+
+def test_gemv_configs_are_read_from_their_short_form():
+    from benchmarks.kernels import parse_gemv_config
+
+    assert parse_gemv_config("32x128w4s4p2") == (32, 128, 4, 4, 2)  # rows, columns, warps, stages, programs
+    for wrong in ("32x128w4s4", "24x128w4s1p4", "32x100w4s1p4"):
+        with pytest.raises(ValueError):
+            parse_gemv_config(wrong)

@@ -238,18 +238,24 @@ def main() -> int:
                   types, {"BLOCK_T": block_t, "BLOCK_W": cfg.block_w, "PARTIAL": partial, "EXACT_DOT": False}, cfg,
                   aligned=("q_ptr", "qs_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "K", "k_per_split", "stride_qm",
                            "stride_wn", "stride_os", "stride_om"), spill_free=True)
-    for _, cfg in tile_configs._GEMV_TABLE:
+    def streamed_by_tma(kernel) -> list[str]:
+        return [] if "UTMALDG" in kernel.asm["sass"] else ["no tensor-memory-accelerator load"]
+
+    # the table's configs and the one of weights that the accelerator cannot stream
+    for cfg in [cfg for _, cfg in tile_configs._GEMV_TABLE] + [tile_configs.GEMV_IN_REGISTERS]:
+        ring = cfg.num_stages if cfg.num_stages > 1 else 0
+        weight = f"tensordesc<i32[{cfg.block_w}, {cfg.block_k // 4}]>" if ring else "*u8"
         for quantize, partial, pdl in ((True, True, False), (True, False, False), (False, True, False),
                                        (True, True, True), (False, False, True)):  # FP8 linears; wo_a
             check(f"fp8_gemv quantize={quantize} partial={partial} {cfg}", triton_gemv._fp8_gemv_kernel,
                   {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "w2_ptr": "*u8", "s2_ptr": "*u8",
-                   "out_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32",
-                   **scalars("N N2 K k_per_split splits stride_os")},
-                  {"BLOCK_W": cfg.block_w, "BLOCK_K": cfg.block_k, "QUANTIZE": quantize, "PARTIAL": partial,
-                   "INTERPRETED": False}, cfg, wgmma=False,
+                   "w_desc": weight, "w2_desc": weight, "out_ptr": "*bf16", "part_ptr": "*fp32",
+                   "counter_ptr": "*i32", **scalars("N N2 K k_per_split splits stride_os")},
+                  {"BLOCK_W": cfg.block_w, "BLOCK_K": cfg.block_k, "RING": ring, "QUANTIZE": quantize,
+                   "PARTIAL": partial, "INTERPRETED": False}, cfg, wgmma=False,
                   aligned=("x_ptr", "w_ptr", "s_ptr", "w2_ptr", "s2_ptr", "out_ptr", "part_ptr", "K", "k_per_split",
                            "stride_os"),
-                  spill_free=True, pdl=pdl, prefetch=True)
+                  spill_free=True, pdl=pdl, prefetch=not ring, inspect=streamed_by_tma if ring else None)
     other_steps = [replace(cfg, block_k=k) for _, cfg in tile_configs._MMA_GEMV_TABLE[:1] for k in (32, 64, 128)
                    if k != cfg.block_k]  # the sweep's other steps
     for cfg in [cfg for _, cfg in tile_configs._MMA_GEMV_TABLE] + other_steps:

@@ -29,8 +29,8 @@ REFERENCE = ReferenceKernels(batch_invariant=False)
 
 
 def _config(monkeypatch, block_w: int, block_k: int, programs_per_sm: int, max_splits: int = 64,
-            sms: int = 132) -> None:
-    cfg = tile_configs.DecodeConfig(block_w, block_k, 4, 1, programs_per_sm, max_splits=max_splits)
+            sms: int = 132, stages: int = 1) -> None:
+    cfg = tile_configs.DecodeConfig(block_w, block_k, 4, stages, programs_per_sm, max_splits=max_splits)
     monkeypatch.setattr(tile_configs, "_GEMV_TABLE", ((1, cfg),))
     monkeypatch.setattr(triton_gemv, "sm_count", lambda device: sms)
 
@@ -105,6 +105,37 @@ def test_backend_runs_two_projections_of_one_token_together(monkeypatch):
             assert launches == ([2, 1, 1] if vector_form else []), launches
             for got, alone in zip(together, one_by_one):  # K's two steps split in two, together or alone
                 assert got.shape == alone.shape and torch.equal(got, alone)
+
+
+@pytest.mark.parametrize("case", ["one weight in splits", "two weights", "groups", "unaligned start"])
+def test_the_ring_in_shared_memory_gives_the_registers_bits(monkeypatch, case):
+    """A config of more than one stage streams the weight through a ring of tiles in shared memory
+    (the tensor memory accelerator); the arithmetic and its order are the registers' loop's, so the
+    bits are the same. A weight whose start is not 16-byte aligned cannot be streamed that way and
+    takes the registers' loop at ``tile_configs.GEMV_IN_REGISTERS`` (here the same config as the
+    registers' run, so the same bits too)."""
+    gen = torch.Generator().manual_seed(len(case))
+    groups = 3 if case == "groups" else 1
+    k = 640
+    shapes = {"two weights": (64, 160), "groups": (3 * 64,)}.get(case, (96,))
+    weights = [random_weight(WeightFormat.FP8, n, k, gen).to(device()) for n in shapes]
+    pairs = [(w.values, w.scales) for w in weights]
+    if case == "unaligned start":  # the same bytes, 8 bytes into a buffer
+        buffer = torch.empty(pairs[0][0].numel() + 8, dtype=torch.uint8, device=device())
+        moved = buffer[8:].view(pairs[0][0].shape)
+        moved.copy_(pairs[0][0].view(torch.uint8))
+        pairs = [(moved.view(pairs[0][0].dtype), pairs[0][1])]
+        assert not triton_gemv._ring_fits(pairs[0][0])
+        monkeypatch.setattr(triton_gemv, "GEMV_IN_REGISTERS", tile_configs.DecodeConfig(16, 128, 4, 1, 4, max_splits=3))
+    x = torch.randn(1, groups * k, generator=gen).bfloat16().to(device())
+    quantize = case != "groups"
+    outputs = []
+    for stages in (1, 3):
+        _config(monkeypatch, 16, 128, 4, max_splits=3, stages=stages)  # 5 steps in splits of 2, 2 and 1
+        outputs.append(fp8_gemv(x, pairs, quantize=quantize, groups=groups))
+    assert torch.equal(outputs[0], outputs[1])
+    if case == "one weight in splits":
+        assert_close_to_reference(outputs[1].cpu(), REFERENCE.quantized_linear(x.cpu(), weights[0].to("cpu")))
 
 
 def test_rejects_what_it_does_not_compute():

@@ -114,14 +114,21 @@ def fp8_decode_config(m: int) -> DecodeConfig:
 
 
 # (largest M, config): ``triton_gemv`` (one token on the CUDA cores). ``block_w`` divides 32 (a
-# program's rows share one row of the weight's 32x32 scales), ``block_k`` is a step's columns. The best
-# for a layer's nine FP8 projections in one CUDA graph on one H200 among 8-32 rows, 128-512 columns,
-# 2-8 warps and 2-8 programs per SM, with the weight loaded as words and one sum per word position
-# (80.7 µs; the next, 16 x 128 with 2 warps, 82.4; docs/benchmarks.md). ``benchmarks/kernels.py --tune --m 1``
-# sweeps these candidates per projection
+# program's rows share one row of the weight's 32x32 scales), ``block_k`` is a step's columns,
+# ``num_stages`` 1: the weight loaded into registers one step ahead; 2 or more: streamed through a ring
+# of that many tiles in shared memory by the tensor memory accelerator. 32 rows x 512 columns, 4 warps,
+# a ring of 3, K split only until there is one program per SM: a layer's nine FP8 projections in one
+# CUDA graph took 78.6 µs on one H100 (70% of its memory limit) against 86.9 for the registers' best
+# (32 x 128, 4 programs per SM), the other rings measured 80.4-109.7 (docs/benchmarks.md).
+# ``benchmarks/kernels.py --gemv-configs`` times the layer graph with given configs, ``--tune --m 1``
+# sweeps candidates per projection
 _GEMV_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
-    (1, DecodeConfig(32, 128, 4, 1, 4)),
+    (1, DecodeConfig(32, 512, 4, 3, 1)),
 )
+
+# a weight the accelerator cannot stream (its start not 16-byte aligned) takes the registers' best
+# config instead (the 512-column step held in registers spills)
+GEMV_IN_REGISTERS = DecodeConfig(32, 128, 4, 1, 4)
 
 
 def gemv_config(m: int) -> DecodeConfig:

@@ -27,8 +27,9 @@ A kernel launched without the attribute (a torch kernel, say) after one that let
 simply waits for it to complete, as always; the instructions are no-ops when the kernel was not
 launched with the attribute, so the same compiled kernel is correct either way.
 
-Used by the decode-sized products, which load their first weights before the wait (``triton_gemv``,
-``triton_mma_gemv``), by the routed experts' chain on the tensor cores (``triton_mma_experts``: the
+Used by the decode-sized products, which load their first weights before the wait (``triton_mma_gemv``,
+and ``triton_gemv`` when its weight goes through registers; through its ring in shared memory, the
+default, it waits first), by the routed experts' chain on the tensor cores (``triton_mma_experts``: the
 activation's quantization, the pairs' sort, gate/up and down; which weights they read depends on the
 routing, so after a sort they only overlap their launches, and without one they load their first
 weights early as above) and by the small kernels a decode step runs right

@@ -10,21 +10,32 @@ bit); without, it is multiplied as it is (``grouped_dequantized_linear``).
 
 Why a kernel for one token: the tensor-core decode form (``triton_decode_mm``) pads the token to 16
 rows, walks K one 32-column scale block per step (4 KB of weight per step and program) and needs the
-activation quantized by a launch of its own. At one token the bytes are everything: here each thread
-loads 16-byte chunks of weight straight into registers (``BLOCK_W`` rows x ``BLOCK_K`` columns per
-program and step, the next step's loaded before the current one is used), expands them to fp32 and
-multiplies on the CUDA cores; each program quantizes the activation columns it reads (hundreds of
-values against thousands of weight bytes), so there is no ``act_quant`` launch. The weight is loaded
-as int32 words and expanded by a few lines of PTX (``e4m3_words_to_f32``): 1.5 instructions per value
+activation quantized by a launch of its own. At one token the bytes are everything: here each program
+takes ``BLOCK_W`` rows x ``BLOCK_K`` columns of weight per step, its threads expand them to fp32 and
+multiply on the CUDA cores; each program quantizes the activation columns it reads (hundreds of
+values against thousands of weight bytes), so there is no ``act_quant`` launch. The weight is read as
+int32 words and expanded by a few lines of PTX (``e4m3_words_to_f32``): 1.5 instructions per value
 where the compiler's expansion of a byte tensor took ~5 (it moved every byte to a register of its own
 and packed the pairs back for the conversion), and each thread keeps one sum per word it holds, not
 one per byte, which took its registers from ~155 to ~53 (more programs fit an SM). On one H200 a
 V4.1-Flash layer's nine FP8 projections (one CUDA graph) went 119 -> 81 µs and a one-token decode
 step of the 8-layer config 3.03 -> 2.65 ms (``docs/benchmarks.md``); the loop spends ~5 instructions
-per weight byte and thread, 2.5 of them the expansion and the product. Tried and not kept: loads two
-steps ahead (90 instead of 81 µs), and, with byte loads, persistent programs walking several row
-tiles with their loads running ahead across tiles (the per-step work items' addressing and fewer
-resident programs).
+per weight byte and thread, 2.5 of them the expansion and the product.
+
+Two ways to bring the weight in (the config's ``num_stages``):
+- at 1, each thread loads its words straight into registers, one step ahead of their use: one step in
+  flight per program, a few KB, and the large projections streamed at 2.4-3.0 TB/s of an H200's 4.3
+  that way. Loads two steps ahead were slower (90 instead of 81 µs: registers);
+- at 2 or more (the default), the tensor memory accelerator copies each step's tile into a ring of that
+  many tiles in shared memory (Triton's pipelining of a tensor descriptor's loads) and the threads read
+  their words from there: up to ``num_stages - 1`` steps in flight with no register held for them. Steps
+  of 512 columns and K split only until one program per SM (fewer split sums) then pay: on one H100 a
+  layer's nine projections went 86.9 -> 78.6 µs (``tile_configs``).
+The arithmetic and its order are the same either way (the same bits at the same config, tested). A
+weight whose start is not 16-byte aligned (the accelerator's rule) takes the registers' way at
+``tile_configs.GEMV_IN_REGISTERS``. Tried and not kept: with byte loads, persistent programs walking
+several row tiles with their loads running ahead across tiles (the per-step work items' addressing and
+fewer resident programs).
 
 Arithmetic: every product of a (quantized) activation value and an e4m3 weight value is exact, and
 so is it times the two block scales (powers of two), which go onto the activation; each thread adds
@@ -48,8 +59,9 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .tile_configs import gemv_config
+from .tile_configs import GEMV_IN_REGISTERS, DecodeConfig, gemv_config
 from .triton_common import INTERPRETED, quantize_blocks, sm_count, to_bf16
 from .triton_decode_mm import split_count
 from .triton_dependent_launch import launch_arguments, let_next_kernel_start, wait_for_previous_kernel
@@ -60,58 +72,35 @@ MAX_TOKENS = 1  # rows it takes: at two the expansion is paid twice and the tens
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counter_ptr, N, N2, K, k_per_split,
-                     splits, stride_os, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, QUANTIZE: tl.constexpr,
-                     PARTIAL: tl.constexpr, PDL: tl.constexpr, INTERPRETED: tl.constexpr):
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, w_desc, w2_desc, out_ptr, part_ptr, counter_ptr, N, N2, K,
+                     k_per_split, splits, stride_os, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
+                     RING: tl.constexpr, QUANTIZE: tl.constexpr, PARTIAL: tl.constexpr, PDL: tl.constexpr,
+                     INTERPRETED: tl.constexpr):
     pid_w, split, group = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    BLOCKS: tl.constexpr = BLOCK_K // 32
     # the first weight's row tiles, then the second's (its outputs follow the first's columns)
     tiles = tl.cdiv(N, BLOCK_W)
     if pid_w < tiles:
-        weights, scales, tile, first_col = w_ptr, s_ptr, pid_w, group * N
+        weights, scales, tile, first_col, first_row = w_ptr, s_ptr, pid_w, group * N, group * N
     else:
-        weights, scales, tile, first_col = w2_ptr, s2_ptr, pid_w - tiles, N
+        weights, scales, tile, first_col, first_row = w2_ptr, s2_ptr, pid_w - tiles, N, 0
     x_ptr += group * K
-    weights += group * N * K
-    scales += (group * N + tile * BLOCK_W) // 32 * (K // 32)  # BLOCK_W divides 32: one row of scales
+    scales += (first_row + tile * BLOCK_W) // 32 * (K // 32)  # BLOCK_W divides 32: one row of scales
     rows = tile * BLOCK_W + tl.arange(0, BLOCK_W)
-    blocks = tl.arange(0, BLOCKS)
-    cols = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]  # [BLOCKS, 32]: a step's columns by scale block
-    words = blocks[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BLOCKS, 8]: a step's weight words (4 bytes each)
-    w_ptrs = weights.to(tl.pointer_type(tl.int32), bitcast=True) + rows[:, None, None] * (K // 4) + words[None, :, :]
-    acc = tl.zeros((BLOCK_W, BLOCKS, 8), dtype=tl.float32)  # one sum per word position
     k_begin = split * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
-    # every load is issued one step before its use (the last step reloads its own), so a step's
-    # latency overlaps the previous step's arithmetic (two steps ahead measured slower on one H200).
-    # The first step's weight needs nothing from earlier kernels: it is loaded before the wait
-    raw_next = tl.load(w_ptrs + k_begin // 4)
-    w_exp_next = tl.load(scales + k_begin // 32 + blocks)
-    wait_for_previous_kernel(PDL)
-    let_next_kernel_start(PDL)
-    x_next = tl.load(x_ptr + k_begin + cols)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        raw, w_exp, x = raw_next, w_exp_next, x_next
-        following = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K)
-        raw_next = tl.load(w_ptrs + following // 4)
-        w_exp_next = tl.load(scales + following // 32 + blocks)
-        x_next = tl.load(x_ptr + following + cols)
-        scale = (w_exp.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # UE8M0 byte e -> 2**(e - 127)
-        a = x.to(tl.float32)
-        if QUANTIZE:
-            a, a_scale = quantize_blocks(a)
-            scale = a_scale * scale
-        # the block's scales go onto the activation (a power of two: exact), so every product is
-        # exact and the sum runs over the whole K without a reduction per block
-        a = tl.reshape(a * scale[:, None], (BLOCKS, 8, 2, 2))  # [block, word, byte // 2, byte % 2]
-        a_even, a_odd = tl.split(a)
-        a0, a2 = tl.split(a_even)
-        a1, a3 = tl.split(a_odd)
-        w0, w1, w2, w3 = e4m3_words_to_f32(raw, INTERPRETED)
-        acc += w0 * a0[None, :, :]
-        acc += w1 * a1[None, :, :]
-        acc += w2 * a2[None, :, :]
-        acc += w3 * a3[None, :, :]
+    if RING == 0:
+        acc = _sums_from_registers(weights + first_row * K, scales, x_ptr, rows, K, k_begin, k_end, BLOCK_W,
+                                   BLOCK_K, QUANTIZE, PDL, INTERPRETED)
+    else:
+        # (a descriptor cannot be chosen at run time: each weight has its loop)
+        wait_for_previous_kernel(PDL)
+        let_next_kernel_start(PDL)
+        if pid_w < tiles:
+            acc = _sums_from_ring(w_desc, first_row + tile * BLOCK_W, scales, x_ptr, k_begin, k_end, BLOCK_W,
+                                  BLOCK_K, RING, QUANTIZE, INTERPRETED)
+        else:
+            acc = _sums_from_ring(w2_desc, first_row + tile * BLOCK_W, scales, x_ptr, k_begin, k_end, BLOCK_W,
+                                  BLOCK_K, RING, QUANTIZE, INTERPRETED)
     acc = tl.sum(tl.sum(acc, axis=2), axis=1)
     columns = first_col + rows  # every row exists: N and N2 are whole 32-row blocks
     if PARTIAL:
@@ -124,6 +113,81 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, cou
             reset_counter(counter_ptr)
     else:
         tl.store(out_ptr + columns, to_bf16(acc, INTERPRETED))
+
+
+@triton.jit
+def _sums_from_registers(weights, scales, x_ptr, rows, K, k_begin, k_end, BLOCK_W: tl.constexpr,
+                         BLOCK_K: tl.constexpr, QUANTIZE: tl.constexpr, PDL: tl.constexpr,
+                         INTERPRETED: tl.constexpr):
+    """The sums per word position of rows ``rows`` over columns ``k_begin..k_end``, the weight loaded
+    straight into registers one step ahead of its use (the last step reloads its own), so a step's
+    latency overlaps the previous step's arithmetic (two steps ahead measured slower on one H200). The
+    first step's weight needs nothing from earlier kernels: it is loaded before the wait."""
+    BLOCKS: tl.constexpr = BLOCK_K // 32
+    blocks = tl.arange(0, BLOCKS)
+    cols = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]  # [BLOCKS, 32]: a step's columns by scale block
+    words = blocks[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BLOCKS, 8]: a step's weight words (4 bytes each)
+    w_ptrs = weights.to(tl.pointer_type(tl.int32), bitcast=True) + rows[:, None, None] * (K // 4) + words[None, :, :]
+    acc = tl.zeros((BLOCK_W, BLOCKS, 8), dtype=tl.float32)  # one sum per word position
+    raw_next = tl.load(w_ptrs + k_begin // 4)
+    w_exp_next = tl.load(scales + k_begin // 32 + blocks)
+    wait_for_previous_kernel(PDL)
+    let_next_kernel_start(PDL)
+    x_next = tl.load(x_ptr + k_begin + cols)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        raw, w_exp, x = raw_next, w_exp_next, x_next
+        following = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K)
+        raw_next = tl.load(w_ptrs + following // 4)
+        w_exp_next = tl.load(scales + following // 32 + blocks)
+        x_next = tl.load(x_ptr + following + cols)
+        acc = _add_products(acc, raw, w_exp, x, BLOCKS, QUANTIZE, INTERPRETED)
+    return acc
+
+
+@triton.jit
+def _sums_from_ring(desc, first_row, scales, x_ptr, k_begin, k_end, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
+                    RING: tl.constexpr, QUANTIZE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``_sums_from_registers``' sums, the weight streamed by the tensor memory accelerator through a
+    ring of ``RING`` tiles in shared memory (the compiler's pipelining of the descriptor's loads): up to
+    ``RING - 1`` steps are in flight while one is used, with no register held for them. The activation
+    and the scales (a few hundred bytes a step, from L2) stay one step ahead in registers."""
+    BLOCKS: tl.constexpr = BLOCK_K // 32
+    blocks = tl.arange(0, BLOCKS)
+    cols = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]
+    acc = tl.zeros((BLOCK_W, BLOCKS, 8), dtype=tl.float32)
+    w_exp_next = tl.load(scales + k_begin // 32 + blocks)
+    x_next = tl.load(x_ptr + k_begin + cols)
+    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=RING):
+        raw = tl.reshape(desc.load([first_row, k0 // 4]), (BLOCK_W, BLOCKS, 8))
+        w_exp, x = w_exp_next, x_next
+        following = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K)
+        w_exp_next = tl.load(scales + following // 32 + blocks)
+        x_next = tl.load(x_ptr + following + cols)
+        acc = _add_products(acc, raw, w_exp, x, BLOCKS, QUANTIZE, INTERPRETED)
+    return acc
+
+
+@triton.jit
+def _add_products(acc, raw, w_exp, x, BLOCKS: tl.constexpr, QUANTIZE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``acc [rows, BLOCKS, 8]`` plus one step's products: ``raw [rows, BLOCKS, 8]`` weight words (four
+    e4m3 bytes each), ``w_exp [BLOCKS]`` their UE8M0 scale bytes, ``x [BLOCKS, 32]`` the activation."""
+    scale = (w_exp.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # UE8M0 byte e -> 2**(e - 127)
+    a = x.to(tl.float32)
+    if QUANTIZE:
+        a, a_scale = quantize_blocks(a)
+        scale = a_scale * scale
+    # the block's scales go onto the activation (a power of two: exact), so every product is
+    # exact and the sum runs over the whole K without a reduction per block
+    a = tl.reshape(a * scale[:, None], (BLOCKS, 8, 2, 2))  # [block, word, byte // 2, byte % 2]
+    a_even, a_odd = tl.split(a)
+    a0, a2 = tl.split(a_even)
+    a1, a3 = tl.split(a_odd)
+    w0, w1, w2, w3 = e4m3_words_to_f32(raw, INTERPRETED)
+    acc += w0 * a0[None, :, :]
+    acc += w1 * a1[None, :, :]
+    acc += w2 * a2[None, :, :]
+    acc += w3 * a3[None, :, :]
+    return acc
 
 
 def fits(values: torch.Tensor, scales: torch.Tensor) -> bool:
@@ -153,7 +217,9 @@ def fp8_gemv(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = gemv_config(m)
-    while k % cfg.block_k:  # whole steps (the table's step divides every V4.1 K)
+    if cfg.num_stages > 1 and not all(_ring_fits(v) for v, _ in weights):
+        cfg = GEMV_IN_REGISTERS
+    while k % cfg.block_k:  # whole steps (the shared expert's w2, K = 2304, takes 256 columns)
         cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2)
     splits, k_per_split = split_count(cfg, n + n2, k, groups, sm_count(x.device))
     width = groups * n + n2
@@ -161,10 +227,26 @@ def fp8_gemv(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor
     partials = torch.empty(splits, m, width, dtype=torch.float32, device=x.device) if splits > 1 else out
     w, s = values.view(torch.uint8), scales.view(torch.uint8)
     w2, s2 = (second[0][0].view(torch.uint8), second[0][1].view(torch.uint8)) if second else (w, s)
+    ring = cfg.num_stages if cfg.num_stages > 1 else 0
+    w_desc, w2_desc = (_descriptor(w, cfg), _descriptor(w2, cfg)) if ring else (w, w2)
     tiles = triton.cdiv(n, cfg.block_w) + triton.cdiv(n2, cfg.block_w)
     _fp8_gemv_kernel[(tiles, splits, groups)](
-        x, w, s, w2, s2, out, partials, split_counters(x.device, tiles * groups), n, n2, k, k_per_split, splits,
-        m * width, BLOCK_W=cfg.block_w, BLOCK_K=cfg.block_k, QUANTIZE=quantize, PARTIAL=splits > 1,
-        INTERPRETED=INTERPRETED, num_warps=cfg.num_warps, **launch_arguments(pdl, x.device))
+        x, w, s, w2, s2, w_desc, w2_desc, out, partials, split_counters(x.device, tiles * groups), n, n2, k,
+        k_per_split, splits, m * width, BLOCK_W=cfg.block_w, BLOCK_K=cfg.block_k, RING=ring, QUANTIZE=quantize,
+        PARTIAL=splits > 1, INTERPRETED=INTERPRETED, num_warps=cfg.num_warps,
+        **launch_arguments(pdl, x.device))
     return out
+
+
+def _ring_fits(values: torch.Tensor) -> bool:
+    """Whether the tensor memory accelerator can stream this weight: a 16-byte aligned start (rows of
+    whole 32-byte multiples are aligned after it)."""
+    return values.data_ptr() % 16 == 0
+
+
+def _descriptor(values: torch.Tensor, cfg: DecodeConfig) -> TensorDescriptor:
+    """The weight's bytes as int32 words ``[rows, K / 4]``, read ``block_w`` rows x ``block_k`` columns
+    at a time (as the registers' loop reads them)."""
+    words = values.view(torch.int32)
+    return TensorDescriptor.from_tensor(words, [cfg.block_w, cfg.block_k // 4])
 
