@@ -6,6 +6,7 @@ the docstring of ``benchmarks/kernels.py``)."""
 from __future__ import annotations
 
 import contextlib
+import re
 import statistics
 from dataclasses import asdict
 
@@ -194,6 +195,17 @@ def cfg_text(cfg) -> str:
         wave = "/one-wave" if cfg.one_wave else ""
         return f"w{cfg.block_w}/k{cfg.block_k}/warps{cfg.num_warps}/s{cfg.num_stages}/pps{cfg.programs_per_sm}{wave}"
     return f"m{cfg.block_m}/n{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}"
+
+
+def decode_config_fields(text: str) -> dict:
+    """``cfg_text``'s form of a ``DecodeConfig`` (``w32/k512/warps4/s3/pps1``, ``/one-wave`` optional) ->
+    its fields, as ``cfg_text`` takes them back; read before the kernels are imported."""
+    found = re.fullmatch(r"w(\d+)/k(\d+)/warps(\d+)/s(\d+)/pps(\d+)(/one-wave)?", text.strip())
+    if not found:
+        raise ValueError(f"a config is w<rows>/k<columns>/warps<n>/s<stages>/pps<programs per SM>, got {text!r}")
+    block_w, block_k, num_warps, num_stages, programs_per_sm = map(int, found.groups()[:5])
+    return dict(block_w=block_w, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                programs_per_sm=programs_per_sm, one_wave=found.group(6) is not None)
 
 
 def tune_markdown(bench) -> str:

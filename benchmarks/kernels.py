@@ -86,9 +86,10 @@ compares the two at the decode sizes (uniform routing: 0.016 / 0.125 / 1 / 4 pai
 M = 1 / 8 / 64 / 256).
 ``--unsorted-pairs N``: steps of at most N pairs skip those kernels' pair sort (default
 ``tile_configs.MMA_EXPERTS_UNSORTED_PAIRS``; 0 sorts every step).
-``--gemv-configs 32x128w4s1p4,32x128w4s4p2,...`` times the one-token layer graph again with each of
-these ``triton_gemv`` configs (rows x columns a step, warps, stages: 1 the weight in registers, more a
-ring of tiles in shared memory, programs per SM), in the same run as the default.
+``--gemv-configs w32/k128/warps4/s1/pps4,w32/k512/warps4/s3/pps1,...`` times the one-token layer graph
+again with each of these ``triton_gemv`` configs (in the sweep's form: rows, columns a step, warps,
+stages: 1 the weight in registers, more a ring of tiles in shared memory, programs per SM), in the same
+run as the default. The command line is ``benchmarks/kernel_args.py``.
 
 ``--batch-invariant`` measures the Triton backend's batch-invariant mode (every product in its
 prefill form) instead of the default (split-K decode form at M <= 64).
@@ -99,10 +100,8 @@ every number. ``--device cpu`` (with ``--tiny``) sets TRITON_INTERPRET=1 itself 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -114,7 +113,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks.device_limits import STARTED, MB, Ceilings, Timer, Timing, log, measure_ceilings  # noqa: E402,F401
-from benchmarks.kernel_tune import override_tables, run_tune, tune_markdown  # noqa: E402
+from benchmarks.kernel_args import parse_args  # noqa: E402
+from benchmarks.kernel_tune import cfg_text, override_tables, run_tune, tune_markdown  # noqa: E402
 from benchmarks.kernel_checks import (CorrectnessError, check, check_rows, input_sets, limit_of,  # noqa: E402
                                       linear_bytes, rel_err, us)
 from benchmarks.kernel_inputs import (FLASH, TINY, LinearSpec, Shapes, fp4_stack, layer_calls,  # noqa: E402
@@ -436,90 +436,8 @@ class Bench:
 
 # ----------------------------------------------------------------------------------- report
 # ----------------------------------------------------------------------------------- main
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--m", default=None, help="comma-separated token counts (default 1,8,64,256,4096,16384)")
-    p.add_argument("--quick", action="store_true", help="M = 1,64,4096 and half the timing budget")
-    p.add_argument("--device", default=None, help="cuda (default when available) or cpu (needs --tiny)")
-    p.add_argument("--tiny", action="store_true", help="tiny shapes (for the CPU under TRITON_INTERPRET=1)")
-    p.add_argument("--json", default=None, help="write every number to this file")
-    p.add_argument("--tune", action="store_true", help="also sweep tile configs at the M values")
-    p.add_argument("--tune-only", action="store_true", help="only the tile-config sweep")
-    p.add_argument("--kernels", default=None, help="comma-separated subset of kernel names (substring match)")
-    p.add_argument("--no-reference", action="store_true", help="skip the reference timings (checks still run)")
-    p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph layer measurement")
-    p.add_argument("--ref-limit-s", type=float, default=2.0,
-                   help="skip the reference / torch timing where one call is estimated to take longer (2.0)")
-    p.add_argument("--ref-max-m", type=int, default=None, help="skip the FP8 reference timing above this M")
-    p.add_argument("--moe-ref-max-m", type=int, default=2048, help="skip the expert reference above this M (2048)")
-    p.add_argument("--check-rows", type=int, default=64, help="rows checked where the reference is skipped (64)")
-    p.add_argument("--check-tokens", type=int, default=4, help="tokens checked where the expert reference is skipped")
-    p.add_argument("--graph-layers", type=int, default=4, help="layer instances captured in the CUDA graph (4)")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="the Triton backend's batch-invariant mode (no split-K decode form)")
-    p.add_argument("--expert-rows", action="store_true",
-                   help="keep the FP4 experts in the checkpoint's row layout (the kernels' other path)")
-    p.add_argument("--tensor-core-tokens", default=None,
-                   help="FP8 products of 2 to this many tokens take the tensor-core matrix-vector kernel "
-                        "(triton_mma_gemv; 0: none; default: tile_configs.MMA_GEMV_MAX_TOKENS); LO-HI: from LO "
-                        "to HI tokens (1-8: one token too)")
-    p.add_argument("--tensor-core-experts", type=float, default=None,
-                   help="routed experts with at most this many pairs per expert on average take the tensor-core "
-                        "kernels fed from registers (triton_mma_experts; 0: none; default: "
-                        "tile_configs.MMA_EXPERTS_MAX_PAIRS)")
-    p.add_argument("--unsorted-pairs", type=int, default=None,
-                   help="steps of at most this many pairs skip triton_mma_experts' pair sort (0: every step "
-                        "sorts; default: tile_configs.MMA_EXPERTS_UNSORTED_PAIRS)")
-    p.add_argument("--pdl", action="store_true",
-                   help="the Triton kernels with programmatic dependent launch (--enable-pdl); the layer graph "
-                        "is then also timed without it")
-    p.add_argument("--gemv-configs", default=None,
-                   help="also time the one-token layer graph with each of these triton_gemv configs, "
-                        "comma-separated ROWSxCOLUMNSwWARPSsSTAGESpPROGRAMS (e.g. 32x128w4s1p4: 32 rows x 128 "
-                        "columns a step, 4 warps, the weight in registers (s1) or through a ring of that many "
-                        "tiles in shared memory (s3, s4, ...), split-K until 4 programs per SM)")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    try:
-        args.gemv_configs = [parse_gemv_config(text) for text in (args.gemv_configs or "").split(",") if text]
-    except ValueError as exc:
-        p.error(str(exc))
-    if args.m is None:
-        if args.tiny:
-            args.m = "1,64" if args.quick else "1,8,64,300"
-        else:
-            args.m = "1,64,4096" if args.quick else "1,8,64,256,4096,16384"
-    args.ms = [int(v) for v in args.m.split(",") if v.strip()]
-    if any(m < 1 for m in args.ms):
-        p.error("--m values must be >= 1")
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device.startswith("cpu") and not args.tiny:
-        p.error("the real shapes on the CPU would take hours: use --tiny (with TRITON_INTERPRET=1)")
-    if args.tune_only:
-        args.tune = True
-    return args
-
-
-def parse_gemv_config(text: str) -> tuple[int, int, int, int, int]:
-    """``32x128w4s1p4`` -> the fields of a ``triton_gemv`` config (``DecodeConfig``: rows, columns a step,
-    warps, stages, programs per SM)."""
-    found = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)p(\d+)", text.strip())
-    if not found:
-        raise ValueError(f"a triton_gemv config is ROWSxCOLUMNSwWARPSsSTAGESpPROGRAMS, got {text!r}")
-    rows, columns, warps, stages, programs = map(int, found.groups())
-    if 32 % rows or columns % 32:
-        raise ValueError(f"triton_gemv's rows divide 32 and its columns are whole 32-column blocks, got {text!r}")
-    return rows, columns, warps, stages, programs
-
-
-def gemv_config_text(cfg: tile_configs.DecodeConfig) -> str:
-    return f"{cfg.block_w}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}p{cfg.programs_per_sm}"
-
-
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = parse_args(argv, description=__doc__.split("\n")[0])
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -579,11 +497,10 @@ def main(argv=None) -> int:
                     if m == 1:  # the one-token products' (triton_gemv's) configs, each in the same graph
                         entry["gemv_configs"] = {}
                         for fields in args.gemv_configs:
-                            cfg = tile_configs.DecodeConfig(*fields)
-                            with override_tables(gemv=cfg):
+                            with override_tables(gemv=tile_configs.DecodeConfig(**fields)):
                                 graph_s = bench.run_layer_graph(m, bench.tk)["graph_s"]
-                            entry["gemv_configs"][gemv_config_text(cfg)] = graph_s
-                            log(f"layer FP8 linears M={m} with triton_gemv {gemv_config_text(cfg)}: graph "
+                            entry["gemv_configs"][cfg_text(fields)] = graph_s
+                            log(f"layer FP8 linears M={m} with triton_gemv {cfg_text(fields)}: graph "
                                 f"{us(graph_s)} us -> {entry['mem_limit_s'] / graph_s:.0%}")
         if args.tune:
             run_tune(bench, args.ms)

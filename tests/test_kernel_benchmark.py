@@ -121,10 +121,15 @@ def test_tensor_core_experts_puts_the_routed_experts_on_the_tensor_core_kernels(
     assert doc["error"] is None and all(r["rel_err"] <= 1e-2 for r in doc["results"])
 
 
-def test_gemv_configs_are_read_from_their_short_form():
-    from benchmarks.kernels import parse_gemv_config
+def test_gemv_configs_are_read_in_the_tile_sweeps_form():
+    """``--gemv-configs`` takes a config as the sweep's report prints it (``cfg_text``), and only
+    ``triton_gemv``'s shapes (rows dividing 32, whole 32-column blocks)."""
+    from benchmarks.kernel_args import gemv_config_fields
+    from benchmarks.kernel_tune import cfg_text
+    from model.kernels.tile_configs import DecodeConfig
 
-    assert parse_gemv_config("32x128w4s4p2") == (32, 128, 4, 4, 2)  # rows, columns, warps, stages, programs
-    for wrong in ("32x128w4s4", "24x128w4s1p4", "32x100w4s1p4"):
+    for cfg in (DecodeConfig(32, 512, 4, 3, 1), DecodeConfig(16, 128, 2, 1, 8, one_wave=True)):
+        assert DecodeConfig(**gemv_config_fields(cfg_text(cfg))) == cfg
+    for wrong in ("w32/k128/warps4/s4", "w24/k128/warps4/s1/pps4", "w32/k100/warps4/s1/pps4", "32x128w4s1p4"):
         with pytest.raises(ValueError):
-            parse_gemv_config(wrong)
+            gemv_config_fields(wrong)

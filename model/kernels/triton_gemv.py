@@ -228,6 +228,7 @@ def fp8_gemv(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor
     w, s = values.view(torch.uint8), scales.view(torch.uint8)
     w2, s2 = (second[0][0].view(torch.uint8), second[0][1].view(torch.uint8)) if second else (w, s)
     ring = cfg.num_stages if cfg.num_stages > 1 else 0
+    # (the registers' loop reads no descriptor: the weights stand in for them)
     w_desc, w2_desc = (_descriptor(w, cfg), _descriptor(w2, cfg)) if ring else (w, w2)
     tiles = triton.cdiv(n, cfg.block_w) + triton.cdiv(n2, cfg.block_w)
     _fp8_gemv_kernel[(tiles, splits, groups)](

@@ -399,8 +399,8 @@ def mma_experts(x: torch.Tensor, pair_token: torch.Tensor, pair_expert: torch.Te
                 experts: ExpertWeights, pdl: bool = False) -> torch.Tensor:
     """Routed expert outputs ``[P, D]`` bf16 of bf16 token rows ``x [N, D]`` (``fused_experts``'s
     contract), for experts that this module ``takes``; ``pdl``: its kernels (the activation's
-    quantization, the pairs' sort unless the step skips it, gate/up and down) with programmatic dependent launch where the GPU
-    has it (``triton_dependent_launch``)."""
+    quantization, the pairs' sort unless the step skips it, gate/up and down) with programmatic
+    dependent launch where the GPU has it (``triton_dependent_launch``)."""
     if not takes(experts):
         raise ValueError("mma_experts reads FP4 experts in the fragment layout, D and the intermediate width "
                          "multiples of 64")
