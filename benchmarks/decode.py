@@ -182,6 +182,9 @@ class ReplayTimer:
     def __exit__(self, *exc) -> None:
         if self.graphs is not None:
             del self.graphs.replay  # the class's method again
+        # the events are all it needs now: holding the graphs would keep the engine's model and caches
+        # alive after the LLM closes (the next backend's engine then found no memory for its cache)
+        self.graphs = None
 
     def times_us(self) -> list[float]:
         """Microseconds of each replay timed, sorted (read after a device synchronisation)."""
@@ -412,6 +415,7 @@ def main() -> int:
                   f"{nbytes / 1e9:.2f} GB/step, host waited for results {wait}{graph}; prefill "
                   f"{prefill_rate:.0f} tok/s ({100 * prefill_rate / prefill_limit:.1f}% of the tensor-core limit "
                   f"{prefill_limit:.0f}; includes the first decode steps)", flush=True)
+        llm.close()
         del llm
         gc.collect()
         torch.cuda.empty_cache()

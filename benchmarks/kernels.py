@@ -89,7 +89,8 @@ M = 1 / 8 / 64 / 256).
 ``--gemv-configs w32/k128/warps4/s1/pps4,w32/k512/warps4/s3/pps1,...`` times the one-token layer graph
 again with each of these ``triton_gemv`` configs (in the sweep's form: rows, columns a step, warps,
 stages: 1 the weight in registers, more a ring of tiles in shared memory, programs per SM), in the same
-run as the default. The command line is ``benchmarks/kernel_args.py``.
+run as the default. ``--tune-layer-gemv`` picks a config per launch of that graph
+(``benchmarks/layer_gemv_tune.py``). The command line is ``benchmarks/kernel_args.py``.
 
 ``--batch-invariant`` measures the Triton backend's batch-invariant mode (every product in its
 prefill form) instead of the default (split-K decode form at M <= 64).
@@ -115,6 +116,7 @@ import torch  # noqa: E402
 from benchmarks.device_limits import STARTED, MB, Ceilings, Timer, Timing, log, measure_ceilings  # noqa: E402,F401
 from benchmarks.kernel_args import parse_args  # noqa: E402
 from benchmarks.kernel_tune import cfg_text, override_tables, run_tune, tune_markdown  # noqa: E402
+from benchmarks.layer_gemv_tune import run_layer_gemv_tune  # noqa: E402
 from benchmarks.kernel_checks import (CorrectnessError, check, check_rows, input_sets, limit_of,  # noqa: E402
                                       linear_bytes, rel_err, us)
 from benchmarks.kernel_inputs import (FLASH, TINY, LinearSpec, Shapes, fp4_stack, layer_calls,  # noqa: E402
@@ -502,6 +504,8 @@ def main(argv=None) -> int:
                             entry["gemv_configs"][cfg_text(fields)] = graph_s
                             log(f"layer FP8 linears M={m} with triton_gemv {cfg_text(fields)}: graph "
                                 f"{us(graph_s)} us -> {entry['mem_limit_s'] / graph_s:.0%}")
+                        if args.tune_layer_gemv:
+                            entry["gemv_launches"] = run_layer_gemv_tune(bench)
         if args.tune:
             run_tune(bench, args.ms)
     except CorrectnessError as exc:

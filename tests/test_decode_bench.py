@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -79,19 +81,24 @@ def test_replays_are_timed_only_where_graphs_replay():
         pass
     assert replays.median_us() is None and replays.mean_us() is None
     llm = LLM(None, device="cpu", max_num_seqs=1, max_model_len=64)
+    model = weakref.ref(llm.engine.executor.runner.model)
     try:
         replays = ReplayTimer(llm.engine)
         decode_step_times(llm, [[5, 6, 7]], 2, around_steps=replays)
         assert replays.graphs is None and replays.median_us() is None
     finally:
         llm.close()
+    del llm
+    gc.collect()
+    assert model() is None  # the benchmark runs one engine after another: nothing may keep one alive
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_every_timed_decode_step_replays_a_graph_and_is_timed(tiny_checkpoint):
     """With graphs each timed decode step replays one, and its device time is positive and shorter
-    than the whole step's; the graphs' own ``replay`` is back in place afterwards."""
+    than the whole step's; the graphs' own ``replay`` is back in place afterwards, and the timer lets go
+    of them."""
     from benchmarks.decode import ReplayTimer, decode_step_times
     from frontend.llm import LLM
 
@@ -99,7 +106,8 @@ def test_every_timed_decode_step_replays_a_graph_and_is_timed(tiny_checkpoint):
     try:
         replays = ReplayTimer(llm.engine)
         _, step, _ = decode_step_times(llm, [[5, 6, 7, 8], [9, 10, 11]], 6, around_steps=replays)
-        assert "replay" not in vars(replays.graphs)
+        assert "replay" not in vars(llm.engine.executor.runner.graphs)
+        assert replays.graphs is None  # (holding them would keep the engine alive after close)
         assert 5 <= len(replays.events) <= 7  # one per launched step: the engine runs one step ahead
         assert 0 < replays.median_us() < step * 1e6
         assert 0 < replays.mean_us() < step * 1e6

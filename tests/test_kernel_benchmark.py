@@ -133,3 +133,32 @@ def test_gemv_configs_are_read_in_the_tile_sweeps_form():
     for wrong in ("w32/k128/warps4/s4", "w24/k128/warps4/s1/pps4", "w32/k100/warps4/s1/pps4", "32x128w4s1p4"):
         with pytest.raises(ValueError):
             gemv_config_fields(wrong)
+
+
+def test_the_layer_launches_are_keyed_as_the_kernel_keys_them():
+    """``--tune-layer-gemv`` keys each launch of the layer graph by its output rows (a pair's rows
+    added, a grouped weight's groups x N) and K, as ``triton_gemv`` looks its config up; inside
+    ``override_tables(gemv=...)`` every shape takes that config, and the entries come back after."""
+    from benchmarks.kernel_inputs import FLASH, LAYER_PAIRS, linear_specs
+    from benchmarks.kernel_tune import override_tables
+    from benchmarks.layer_gemv_tune import candidates, launch_key
+    from model.kernels import tile_configs
+
+    specs = linear_specs(FLASH)
+    assert launch_key(specs, LAYER_PAIRS[0]) == (1280 + 512, 5120)  # wq_a with wkv
+    assert launch_key(specs, ("attn.wo_a (grouped)",)) == (8 * 1024, 4096)
+    assert all(cfg.num_stages > 1 and 32 % cfg.block_w == 0 for cfg in candidates())
+    entry = tile_configs.DecodeConfig(16, 256, 2, 4, 2)
+    forced = tile_configs.DecodeConfig(32, 256, 4, 3, 1)
+    saved = tile_configs._GEMV_BY_SHAPE
+    try:
+        tile_configs._GEMV_BY_SHAPE = {(1792, 5120): entry}
+        assert tile_configs.gemv_config(1, 1792, 5120) == entry
+        with override_tables(gemv=forced):
+            assert tile_configs.gemv_config(1, 1792, 5120) == forced
+        with override_tables(gemv_by_shape={(512, 256): forced}):
+            assert tile_configs.gemv_config(1, 512, 256) == forced
+            assert tile_configs.gemv_config(1, 1792, 5120) == tile_configs._pick(tile_configs._GEMV_TABLE, 1)
+        assert tile_configs._GEMV_BY_SHAPE == {(1792, 5120): entry}
+    finally:
+        tile_configs._GEMV_BY_SHAPE = saved

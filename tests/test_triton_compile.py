@@ -241,8 +241,9 @@ def main() -> int:
     def streamed_by_tma(kernel) -> list[str]:
         return [] if "UTMALDG" in kernel.asm["sass"] else ["no tensor-memory-accelerator load"]
 
-    # the table's configs and the one of weights that the accelerator cannot stream
-    for cfg in [cfg for _, cfg in tile_configs._GEMV_TABLE] + [tile_configs.GEMV_IN_REGISTERS]:
+    # the tables' configs (by M, by a launch's shape) and the one of weights the accelerator cannot stream
+    gemv_configs = [cfg for _, cfg in tile_configs._GEMV_TABLE] + list(tile_configs._GEMV_BY_SHAPE.values())
+    for cfg in dict.fromkeys(gemv_configs + [tile_configs.GEMV_IN_REGISTERS]):
         ring = cfg.num_stages if cfg.num_stages > 1 else 0
         weight = f"tensordesc<i32[{cfg.block_w}, {cfg.block_k // 4}]>" if ring else "*u8"
         for quantize, partial, pdl in ((True, True, False), (True, False, False), (False, True, False),

@@ -84,6 +84,32 @@ def test_grouped_unquantized_matches_reference(monkeypatch):
     assert_close_to_reference(got.view(1, 3, 64).cpu(), ref)
 
 
+def test_a_launch_takes_the_config_of_its_shape(monkeypatch):
+    """``tile_configs._GEMV_BY_SHAPE`` is keyed by a launch's output rows (a grouped weight's groups x N,
+    plus a second weight's N) and its K; a launch of any other shape takes the table's config."""
+    _config(monkeypatch, 16, 128, 1)
+    shaped = tile_configs.DecodeConfig(8, 64, 4, 1, 64)
+    monkeypatch.setattr(tile_configs, "_GEMV_BY_SHAPE", {(64 + 96, 256): shaped, (3 * 64, 256): shaped})
+    used = []
+    real = triton_gemv.split_count
+    monkeypatch.setattr(triton_gemv, "split_count", lambda cfg, *args: used.append(cfg) or real(cfg, *args))
+    gen = torch.Generator().manual_seed(11)
+    first, second = random_weight(WeightFormat.FP8, 64, 256, gen), random_weight(WeightFormat.FP8, 96, 256, gen)
+    grouped = random_weight(WeightFormat.FP8, 3 * 64, 256, gen)
+    x, xg = torch.randn(1, 256, generator=gen).bfloat16(), torch.randn(1, 3, 256, generator=gen).bfloat16()
+    on_first, on_second, on_grouped = first.to(device()), second.to(device()), grouped.to(device())
+    both = fp8_gemv(x.to(device()), [(on_first.values, on_first.scales), (on_second.values, on_second.scales)],
+                    quantize=True)
+    alone = fp8_gemv(x.to(device()), [(on_first.values, on_first.scales)], quantize=True)
+    groups = fp8_gemv(xg.reshape(1, -1).to(device()), [(on_grouped.values, on_grouped.scales)], quantize=False,
+                      groups=3)
+    assert [cfg.block_w for cfg in used] == [8, 16, 8]
+    assert_close_to_reference(both[:, :64].cpu(), REFERENCE.quantized_linear(x, first))
+    assert_close_to_reference(both[:, 64:].cpu(), REFERENCE.quantized_linear(x, second))
+    assert_close_to_reference(alone.cpu(), REFERENCE.quantized_linear(x, first))
+    assert_close_to_reference(groups.view(1, 3, 64).cpu(), REFERENCE.grouped_dequantized_linear(xg, grouped))
+
+
 def test_backend_runs_two_projections_of_one_token_together(monkeypatch):
     """``quantized_linears`` at one token: one launch for both, the same values as one by one; at two
     tokens, and in the batch-invariant mode, the one-by-one products themselves."""

@@ -126,13 +126,21 @@ _GEMV_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
     (1, DecodeConfig(32, 512, 4, 3, 1)),
 )
 
+# One launch's shape -> its config, before the table above: ``(rows, K)``, ``rows`` the launch's output
+# rows (a grouped weight's groups x N, plus a second weight's N), for the launches of a V4.1-Flash
+# layer's one-token graph. A launch's bytes decide how many programs and how deep a ring keep enough
+# of it in flight: ``benchmarks/kernels.py --tune-layer-gemv`` times each launch alone under every
+# candidate and then the layer graph with each launch's best, in one run (docs/benchmarks.md)
+_GEMV_BY_SHAPE: dict[tuple[int, int], DecodeConfig] = {}
+
 # a weight the accelerator cannot stream (its start not 16-byte aligned) takes the registers' best
 # config instead (the 512-column step held in registers spills)
 GEMV_IN_REGISTERS = DecodeConfig(32, 128, 4, 1, 4)
 
 
-def gemv_config(m: int) -> DecodeConfig:
-    return _pick(_GEMV_TABLE, m)
+def gemv_config(m: int, rows: int = 0, k: int = 0) -> DecodeConfig:
+    """``triton_gemv``'s config for ``m`` tokens times ``rows`` output rows of K = ``k`` (one launch)."""
+    return _GEMV_BY_SHAPE.get((rows, k)) or _pick(_GEMV_TABLE, m)
 
 
 # The FP8 products of MMA_GEMV_MIN_TOKENS to MMA_GEMV_MAX_TOKENS tokens take ``triton_mma_gemv`` (the tensor

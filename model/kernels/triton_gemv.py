@@ -216,7 +216,7 @@ def fp8_gemv(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor
                              f"got {list(v.shape)}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    cfg = gemv_config(m)
+    cfg = gemv_config(m, groups * n + n2, k)
     if cfg.num_stages > 1 and not all(_ring_fits(v) for v, _ in weights):
         cfg = GEMV_IN_REGISTERS
     while k % cfg.block_k:  # whole steps (the shared expert's w2, K = 2304, takes 256 columns)
