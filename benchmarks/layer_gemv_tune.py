@@ -2,12 +2,13 @@
 
 A V4.1-Flash layer's nine FP8 projections reach ``triton_gemv`` in six launches (``wq_a`` with ``wkv``,
 ``wq_b`` with the indexer's, the shared ``w1`` with ``w3``, ``wo_a``, ``wo_b``, ``w2``), from 9 to 47 MB
-of weight each. One config for all of them keeps too few bytes in flight for the small launches (each
-costs ~4-5 µs beyond its bytes on one H200): how many programs and how deep a ring suit a launch
-depends on its size. Here each launch is timed alone (16 calls in one CUDA graph, rotating weight
-copies) under every candidate, its outputs compared with the default's; then the whole layer graph is
-timed with each launch's best (``tile_configs._GEMV_BY_SHAPE``, keyed by the launch's output rows and
-K) next to the graph as it runs now, in the same run. The picks are printed as the table's entries.
+of weight each, and the small ones cost ~4-5 µs beyond their bytes: how many programs and how deep a
+ring keep enough of a launch in flight may depend on its size. Here each launch is timed alone (16
+calls in one CUDA graph, rotating weight copies) under every candidate, its outputs compared with the
+default's; then the whole layer graph is timed with each launch's best (``tile_configs._GEMV_BY_SHAPE``,
+keyed by the launch's output rows and K) next to the graph as it runs now, in the same run. The picks
+are printed as the table's entries. (On one H100 the default was the best for every launch, within
+0.2 µs: docs/benchmarks.md.)
 """
 
 from __future__ import annotations

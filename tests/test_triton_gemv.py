@@ -97,6 +97,8 @@ def test_a_launch_takes_the_config_of_its_shape(monkeypatch):
     first, second = random_weight(WeightFormat.FP8, 64, 256, gen), random_weight(WeightFormat.FP8, 96, 256, gen)
     grouped = random_weight(WeightFormat.FP8, 3 * 64, 256, gen)
     x, xg = torch.randn(1, 256, generator=gen).bfloat16(), torch.randn(1, 3, 256, generator=gen).bfloat16()
+    refs = [REFERENCE.quantized_linear(x, first), REFERENCE.quantized_linear(x, second),
+            REFERENCE.grouped_dequantized_linear(xg, grouped)]
     on_first, on_second, on_grouped = first.to(device()), second.to(device()), grouped.to(device())
     both = fp8_gemv(x.to(device()), [(on_first.values, on_first.scales), (on_second.values, on_second.scales)],
                     quantize=True)
@@ -104,10 +106,10 @@ def test_a_launch_takes_the_config_of_its_shape(monkeypatch):
     groups = fp8_gemv(xg.reshape(1, -1).to(device()), [(on_grouped.values, on_grouped.scales)], quantize=False,
                       groups=3)
     assert [cfg.block_w for cfg in used] == [8, 16, 8]
-    assert_close_to_reference(both[:, :64].cpu(), REFERENCE.quantized_linear(x, first))
-    assert_close_to_reference(both[:, 64:].cpu(), REFERENCE.quantized_linear(x, second))
-    assert_close_to_reference(alone.cpu(), REFERENCE.quantized_linear(x, first))
-    assert_close_to_reference(groups.view(1, 3, 64).cpu(), REFERENCE.grouped_dequantized_linear(xg, grouped))
+    assert_close_to_reference(both[:, :64].cpu(), refs[0])
+    assert_close_to_reference(both[:, 64:].cpu(), refs[1])
+    assert_close_to_reference(alone.cpu(), refs[0])
+    assert_close_to_reference(groups.view(1, 3, 64).cpu(), refs[2])
 
 
 def test_backend_runs_two_projections_of_one_token_together(monkeypatch):

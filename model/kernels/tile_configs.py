@@ -126,11 +126,12 @@ _GEMV_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
     (1, DecodeConfig(32, 512, 4, 3, 1)),
 )
 
-# One launch's shape -> its config, before the table above: ``(rows, K)``, ``rows`` the launch's output
-# rows (a grouped weight's groups x N, plus a second weight's N), for the launches of a V4.1-Flash
-# layer's one-token graph. A launch's bytes decide how many programs and how deep a ring keep enough
-# of it in flight: ``benchmarks/kernels.py --tune-layer-gemv`` times each launch alone under every
-# candidate and then the layer graph with each launch's best, in one run (docs/benchmarks.md)
+# One launch's shape -> its config, looked up before the table above: ``(rows, K)``, ``rows`` the
+# launch's output rows (a grouped weight's groups x N, plus a second weight's N).
+# ``benchmarks/kernels.py --tune-layer-gemv`` times each launch of a V4.1-Flash layer's one-token graph
+# alone under 42 ring candidates, then the layer graph with each launch's best. On one H100 the table's
+# config was the best or within 0.2 µs for all six launches (the graph 78.5 against 78.7 µs: noise),
+# so no entry is kept; an H200 has not run the sweep yet (docs/benchmarks.md)
 _GEMV_BY_SHAPE: dict[tuple[int, int], DecodeConfig] = {}
 
 # a weight the accelerator cannot stream (its start not 16-byte aligned) takes the registers' best
