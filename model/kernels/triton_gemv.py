@@ -64,7 +64,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .tile_configs import GEMV_IN_REGISTERS, DecodeConfig, gemv_config
 from .triton_common import INTERPRETED, quantize_blocks, sm_count, to_bf16
 from .triton_decode_mm import split_count
-from .triton_dependent_launch import fetch_into_l2, launch_arguments, let_next_kernel_start, wait_for_previous_kernel
+from .triton_dependent_launch import launch_arguments, let_next_kernel_start, wait_for_previous_kernel
 from .triton_split_sums import last_to_arrive, reset_counter, split_counters, sum_partials
 from .triton_weight_tiles import e4m3_words_to_f32
 
@@ -92,20 +92,15 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, w_desc, w2_desc, out_p
         acc = _sums_from_registers(weights + first_row * K, scales, x_ptr, rows, K, k_begin, k_end, BLOCK_W,
                                    BLOCK_K, QUANTIZE, PDL, INTERPRETED)
     else:
-        # with PDL: the ring's first steps are fetched into L2 while the previous kernel finishes, and the
-        # next kernel starts only once this one's weight is streamed (its programs, which fetch and
-        # wait, then take no room from this one's while they stream)
-        _fetch_first_steps(weights + (first_row + tile * BLOCK_W) * K, K, k_begin, k_end, BLOCK_W, BLOCK_K, RING,
-                           PDL)
-        wait_for_previous_kernel(PDL)
         # (a descriptor cannot be chosen at run time: each weight has its loop)
+        wait_for_previous_kernel(PDL)
+        let_next_kernel_start(PDL)
         if pid_w < tiles:
             acc = _sums_from_ring(w_desc, first_row + tile * BLOCK_W, scales, x_ptr, k_begin, k_end, BLOCK_W,
                                   BLOCK_K, RING, QUANTIZE, INTERPRETED)
         else:
             acc = _sums_from_ring(w2_desc, first_row + tile * BLOCK_W, scales, x_ptr, k_begin, k_end, BLOCK_W,
                                   BLOCK_K, RING, QUANTIZE, INTERPRETED)
-        let_next_kernel_start(PDL)
     acc = tl.sum(tl.sum(acc, axis=2), axis=1)
     columns = first_col + rows  # every row exists: N and N2 are whole 32-row blocks
     if PARTIAL:
@@ -147,21 +142,6 @@ def _sums_from_registers(weights, scales, x_ptr, rows, K, k_begin, k_end, BLOCK_
         x_next = tl.load(x_ptr + following + cols)
         acc = _add_products(acc, raw, w_exp, x, BLOCKS, QUANTIZE, INTERPRETED)
     return acc
-
-
-@triton.jit
-def _fetch_first_steps(tile_start, K, k_begin, k_end, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
-                       RING: tl.constexpr, PDL: tl.constexpr):
-    """With PDL, the weight of the ``RING - 1`` steps that the ring's first copies read (rows from
-    ``tile_start``, a byte pointer), fetched into L2 before the kernel's wait: one address per 128-byte
-    line, nothing waits for them. (The weights are never written during a step.)"""
-    if PDL:
-        LINES: tl.constexpr = (BLOCK_K + 127) // 128  # a row's lines in one step
-        rows = tl.arange(0, BLOCK_W)
-        for step in tl.static_range(RING - 1):
-            first = tl.minimum(k_begin + step * BLOCK_K, k_end - BLOCK_K)
-            lines = first + tl.arange(0, LINES) * (BLOCK_K // LINES)
-            fetch_into_l2(tile_start + rows[:, None] * K + lines[None, :], PDL)
 
 
 @triton.jit
