@@ -31,6 +31,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # triton is imported. A machine without nvidia-smi is taken as one without a GPU.
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.triton_interpreter import skip_repeated_patching
+
+    skip_repeated_patching()  # the same kernels' bits, a third less time (tests/triton_interpreter.py)
 
 import platform  # noqa: E402
 import re  # noqa: E402
