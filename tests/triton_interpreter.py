@@ -51,3 +51,12 @@ def skip_repeated_patching() -> bool:
     interpreter._patch_lang = patch_once
     scope_type.restore = restore
     return True
+
+
+if __name__ == "__main__":  # python -m tests.triton_interpreter SCRIPT ARGS...: run a script with the skip
+    import runpy
+    import sys
+
+    skip_repeated_patching()
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
