@@ -409,8 +409,8 @@ class Bench:
         inputs and weights) are captured in one CUDA graph and replayed, and the time is per call:
         a few-microsecond kernel costs more host time to launch from Python than device time, which
         no head start hides; in the engine, decode steps replay graphs too (or will)."""
-        if not (decode and self.device.type == "cuda"):  # (tiny: the interpreter has nothing to warm up)
-            return self.timer.measure(call, *budget, warm=not self.args.tiny)
+        if not (decode and self.device.type == "cuda"):  # (on CPU the interpreter has nothing to warm up)
+            return self.timer.measure(call, *budget, warm=self.device.type == "cuda")
         def calls():
             for i in range(GRAPH_CALLS):
                 call(i)

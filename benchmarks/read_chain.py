@@ -19,8 +19,8 @@ so that L2 holds none of the bytes read:
 * ``chain, PDL``: the same with programmatic dependent launch (each read waits for the previous
   kernel first, then lets the next one start: only the launch overlaps, as in the products);
 * ``empty``: six kernels that read nothing (one program per SM): what a boundary costs alone;
-* the bandwidth of the same read kernel on 4 GiB, and of a device-to-device copy (the ceiling that
-  ``benchmarks/kernels.py`` divides by), in the same run.
+* the bandwidth of the same read kernel on 4 GiB, and the copy bandwidth that ``benchmarks/kernels.py``
+  divides by (``device_limits.measure_ceilings``), in the same run.
 
 What it showed is in ``docs/benchmarks.md`` ("The floor of six dependent reads").
 """
@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.device_limits import MB, Timer, log
+from benchmarks.device_limits import MB, Timer, log, measure_ceilings
 from benchmarks.kernel_inputs import FLASH, LAYER_PAIRS, linear_specs
 from model.kernels.triton_dependent_launch import launch_arguments, let_next_kernel_start, wait_for_previous_kernel
 
@@ -101,14 +101,10 @@ class ReadChain:
         return timer.measure(lambda i: graph.replay(), 0.5, 20, 400).median_s
 
 
-def bandwidths(timer: Timer, chain: ReadChain, device: torch.device) -> tuple[float, float]:
-    """(bytes/s of a 2 GiB device-to-device copy, read plus written; of the read kernel on 4 GiB)."""
+def read_bandwidth(timer: Timer, chain: ReadChain, device: torch.device) -> float:
+    """Bytes/s of the read kernel on 4 GiB."""
     big = torch.ones(1 << 30, dtype=torch.int32, device=device)
-    half = big[:1 << 29]
-    copy_dst = torch.empty_like(half)
-    copy_s = timer.measure(lambda i: copy_dst.copy_(half), 1.0, 5, 50).median_s
-    read_s = timer.measure(lambda i: chain.read(big), 1.0, 5, 50).median_s
-    return 2 * half.numel() * 4 / copy_s, big.numel() * 4 / read_s
+    return big.numel() * 4 / timer.measure(lambda i: chain.read(big), 1.0, 5, 50).median_s
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     timer, chain = Timer(device), ReadChain(device, args.programs_per_sm * sms, args.stages)
     gpu = torch.cuda.get_device_name(device)
 
-    copy_bw, read_bw = bandwidths(timer, chain, device)
+    copy_bw = measure_ceilings(device, timer, tiny=False, budget=1.0).bandwidth  # benchmarks/kernels.py's limit
+    read_bw = read_bandwidth(timer, chain, device)
     log(f"{gpu}: copy {copy_bw / 1e12:.3f} TB/s (read + write), read kernel {read_bw / 1e12:.3f} TB/s (4 GiB)")
 
     launches = launch_bytes()
