@@ -58,6 +58,10 @@ def test_dependent_launch_check_finds_work_before_the_wait():
     store, count = "st.global.b32 [ %rd3 + 0 ], { %r7 };", "atom.global.gpu.acq_rel.add.u32 %r8, [ %rd4 + 0 ], %r9;"
     assert _dependent_launch_problems("\n".join([weight, wait, start, x, store, count]), prefetch=True) == []
     assert _dependent_launch_problems("\n".join([wait, start, x, store]), prefetch=False) == []
+    fetched = "prefetch.global.L2 [ %rd5 + 0 ];"  # a weight line fetched into L2 counts as a load
+    assert _dependent_launch_problems("\n".join([fetched, wait, x, start, store]), prefetch=True) == []
+    assert _dependent_launch_problems("\n".join([fetched, wait, start]), prefetch=False) == [
+        "loads 1 values before its wait"]
     assert _dependent_launch_problems("\n".join([wait, start, weight]), prefetch=True) == [
         "loads no weight before its wait"]
     assert _dependent_launch_problems("\n".join([x, wait, start]), prefetch=False) == ["loads 1 values before its wait"]
@@ -89,7 +93,8 @@ def _local_memory_in_loops(sass: str) -> list[str]:
 def _dependent_launch_problems(ptx: str, prefetch: bool) -> list[str]:
     """Problems of a kernel compiled for programmatic dependent launch (``triton_dependent_launch``): it
     must wait for the previous kernel, let the next one start after that, and write nothing (store,
-    atomic) before its wait; with ``prefetch`` it loads some weight before the wait, without it nothing."""
+    atomic) before its wait; with ``prefetch`` it loads (or fetches into L2) some weight before the wait,
+    without it nothing."""
     lines = ptx.splitlines()
     wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), None)
     start = next((i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line), None)
@@ -99,7 +104,7 @@ def _dependent_launch_problems(ptx: str, prefetch: bool) -> list[str]:
     before = lines[:wait]
     if any(re.search(r"\b(st|atom|red)\.global", line) for line in before):
         problems.append("writes global memory before its wait")
-    loads = sum(bool(re.search(r"\bld\.global", line)) for line in before)
+    loads = sum(bool(re.search(r"\b(ld|prefetch)\.global", line)) for line in before)
     if prefetch and not loads:
         problems.append("loads no weight before its wait")
     if not prefetch and loads:
@@ -256,7 +261,7 @@ def main() -> int:
                    "PARTIAL": partial, "INTERPRETED": False}, cfg, wgmma=False,
                   aligned=("x_ptr", "w_ptr", "s_ptr", "w2_ptr", "s2_ptr", "out_ptr", "part_ptr", "K", "k_per_split",
                            "stride_os"),
-                  spill_free=True, pdl=pdl, prefetch=not ring, inspect=streamed_by_tma if ring else None)
+                  spill_free=True, pdl=pdl, prefetch=True, inspect=streamed_by_tma if ring else None)
     other_steps = [replace(cfg, block_k=k) for _, cfg in tile_configs._MMA_GEMV_TABLE[:1] for k in (32, 64, 128)
                    if k != cfg.block_k]  # the sweep's other steps
     for cfg in [cfg for _, cfg in tile_configs._MMA_GEMV_TABLE] + other_steps:

@@ -29,16 +29,22 @@ launched with the attribute, so the same compiled kernel is correct either way.
 
 Used by the decode-sized products, which load their first weights before the wait (``triton_mma_gemv``,
 and ``triton_gemv`` when its weight goes through registers; through its ring in shared memory, the
-default, it waits first), by the routed experts' chain on the tensor cores (``triton_mma_experts``: the
-activation's quantization, the pairs' sort, gate/up and down; which weights they read depends on the
-routing, so after a sort they only overlap their launches, and without one they load their first
-weights early as above) and by the small kernels a decode step runs right
-before products (``triton_rms_norm``, which loads its norm weight first, and the SwiGLU of
+default, it fetches the ring's first steps into L2 before the wait instead, ``fetch_into_l2``, since the
+ring's copies are the compiler's pipeline, which starts after the wait, and it lets the next kernel
+start only once its weight is streamed), by the routed experts' chain on the tensor cores
+(``triton_mma_experts``: the activation's quantization, the pairs' sort, gate/up and down; which weights
+they read depends on the routing, so after a sort they only overlap their launches, and without one
+they load their first weights early as above) and by the small kernels a decode step runs right before
+products (``triton_rms_norm``, which loads its norm weight first, and the SwiGLU of
 ``triton_moe_sum``), so that those products start early too. Off unless asked for (``--enable-pdl``):
 on one H100 a layer's nine FP8 projections in one CUDA graph took 88.2 / 113.9 / 123.8 / 143.4 µs at
 1 / 2 / 4 / 8 tokens with it against 86.8 / 116.8 / 119.0 / 139.4 without, and a one-token step's
-experts 51.4 against 53.6 µs (without the sort; 60.2 against 59.3 with it; docs/benchmarks.md). The
-interpreter has no such instructions, so interpreted kernels never use it.
+experts 51.4 against 53.6 µs (without the sort; 60.2 against 59.3 with it; docs/benchmarks.md). With
+the ring the one-token layer took 80.7 against 78.5 µs while it waited first and let the next kernel
+start at once; fetching the ring's first steps into L2 and letting the next start once the weight is
+streamed made it 76.4 against 78.5 (one H100; more steps fetched, or the next kernel let in at once,
+were slower: 82.6-112.2 µs). The interpreter has no such instructions, so interpreted kernels never
+use it.
 """
 
 from __future__ import annotations
@@ -69,6 +75,16 @@ def let_next_kernel_start(PDL: tl.constexpr):
     before touching its outputs); called right after ``wait_for_previous_kernel``."""
     if PDL:
         gdc_launch_dependents()
+
+
+@triton.jit
+def fetch_into_l2(ptrs, PDL: tl.constexpr):
+    """Ask for the 128-byte lines at ``ptrs`` to be brought into L2 (``prefetch.global.L2``: no register
+    holds them, nothing waits for them); a no-op without ``PDL``. A kernel's first weights, fetched
+    before its wait, stream from memory while the previous kernel finishes."""
+    if PDL:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @functools.lru_cache(maxsize=None)

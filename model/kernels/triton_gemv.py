@@ -30,7 +30,10 @@ Two ways to bring the weight in (the config's ``num_stages``):
   many tiles in shared memory (Triton's pipelining of a tensor descriptor's loads) and the threads read
   their words from there: up to ``num_stages - 1`` steps in flight with no register held for them. Steps
   of 512 columns and K split only until one program per SM (fewer split sums) then pay: on one H100 a
-  layer's nine projections went 86.9 -> 78.6 µs (``tile_configs``).
+  layer's nine projections went 86.9 -> 78.6 µs (``tile_configs``). The ring's copies start only after
+  the kernel's wait under programmatic dependent launch, so there each program first asks for its
+  ring's first steps to be fetched into L2 (``_fetch_first_steps``), and lets the next kernel start
+  once its own weight has streamed (76.4 against 78.5 µs without PDL, one H100).
 The arithmetic and its order are the same either way (the same bits at the same config, tested). A
 weight whose start is not 16-byte aligned (the accelerator's rule) takes the registers' way at
 ``tile_configs.GEMV_IN_REGISTERS``. Tried and not kept: with byte loads, persistent programs walking
@@ -64,7 +67,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .tile_configs import GEMV_IN_REGISTERS, DecodeConfig, gemv_config
 from .triton_common import INTERPRETED, quantize_blocks, sm_count, to_bf16
 from .triton_decode_mm import split_count
-from .triton_dependent_launch import launch_arguments, let_next_kernel_start, wait_for_previous_kernel
+from .triton_dependent_launch import fetch_into_l2, launch_arguments, let_next_kernel_start, wait_for_previous_kernel
 from .triton_split_sums import last_to_arrive, reset_counter, split_counters, sum_partials
 from .triton_weight_tiles import e4m3_words_to_f32
 
@@ -92,15 +95,20 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, w_desc, w2_desc, out_p
         acc = _sums_from_registers(weights + first_row * K, scales, x_ptr, rows, K, k_begin, k_end, BLOCK_W,
                                    BLOCK_K, QUANTIZE, PDL, INTERPRETED)
     else:
-        # (a descriptor cannot be chosen at run time: each weight has its loop)
+        # with PDL: the ring's first steps are fetched into L2 while the previous kernel finishes, and the
+        # next kernel starts only once this one's weight is streamed (its programs, which fetch and
+        # wait, then take no room from this one's while they stream)
+        _fetch_first_steps(weights + (first_row + tile * BLOCK_W) * K, K, k_begin, k_end, BLOCK_W, BLOCK_K,
+                           RING - 1, PDL)
         wait_for_previous_kernel(PDL)
-        let_next_kernel_start(PDL)
+        # (a descriptor cannot be chosen at run time: each weight has its loop)
         if pid_w < tiles:
             acc = _sums_from_ring(w_desc, first_row + tile * BLOCK_W, scales, x_ptr, k_begin, k_end, BLOCK_W,
                                   BLOCK_K, RING, QUANTIZE, INTERPRETED)
         else:
             acc = _sums_from_ring(w2_desc, first_row + tile * BLOCK_W, scales, x_ptr, k_begin, k_end, BLOCK_W,
                                   BLOCK_K, RING, QUANTIZE, INTERPRETED)
+        let_next_kernel_start(PDL)
     acc = tl.sum(tl.sum(acc, axis=2), axis=1)
     columns = first_col + rows  # every row exists: N and N2 are whole 32-row blocks
     if PARTIAL:
@@ -142,6 +150,21 @@ def _sums_from_registers(weights, scales, x_ptr, rows, K, k_begin, k_end, BLOCK_
         x_next = tl.load(x_ptr + following + cols)
         acc = _add_products(acc, raw, w_exp, x, BLOCKS, QUANTIZE, INTERPRETED)
     return acc
+
+
+@triton.jit
+def _fetch_first_steps(tile_start, K, k_begin, k_end, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
+                       FETCH_STEPS: tl.constexpr, PDL: tl.constexpr):
+    """With PDL, the weight of the ``RING - 1`` steps that the ring's first copies read (rows from
+    ``tile_start``, a byte pointer), fetched into L2 before the kernel's wait: one address per 128-byte
+    line, nothing waits for them. (The weights are never written during a step.)"""
+    if PDL:
+        LINES: tl.constexpr = (BLOCK_K + 127) // 128  # a row's lines in one step
+        rows = tl.arange(0, BLOCK_W)
+        for step in tl.static_range(FETCH_STEPS):
+            first = tl.minimum(k_begin + step * BLOCK_K, k_end - BLOCK_K)
+            lines = first + tl.arange(0, LINES) * (BLOCK_K // LINES)
+            fetch_into_l2(tile_start + rows[:, None] * K + lines[None, :], PDL)
 
 
 @triton.jit
