@@ -140,6 +140,33 @@ def test_fused_experts_match_reference(fmt, fragments):
     assert_experts_close_to_reference(got, ref)
 
 
+def test_fused_experts_narrow_the_tile_of_a_block_s_last_rows():
+    """Experts with 10, 25, 50 and 70 pairs (38.75 on average: blocks of 64 tokens) fill their blocks
+    with 10, 25, 50, 64 and 6 rows; each block's tile narrows to the rows in use (16, 32, 64, 64 and 16
+    tokens wide), and every width must place its rows where the full width would."""
+    from model.kernels.tile_configs import moe_config
+    from model.kernels.triton_backend import TritonKernels
+
+    gen = torch.Generator().manual_seed(9)
+    counts = (10, 25, 50, 70)
+    e, d, inter, tokens = len(counts), 128, 128, 60
+    assert moe_config(sum(counts) / e).block_m == 64
+    experts = ExpertWeights(random_weight(WeightFormat.FP4, inter, d, gen, e),
+                            random_weight(WeightFormat.FP4, inter, d, gen, e),
+                            random_weight(WeightFormat.FP4, d, inter, gen, e), first_expert=0, swiglu_limit=1.0)
+    experts = TritonKernels().prepare_experts(experts)
+    ids = torch.cat([torch.full((c,), i) for i, c in enumerate(counts)])
+    order = torch.randperm(ids.numel(), generator=gen)  # pairs of all experts interleaved, as routing gives them
+    ids = ids[order]
+    pair_token = torch.randint(0, tokens, (ids.numel(),), generator=gen)
+    x = torch.randn(tokens, d, generator=gen).bfloat16()
+    weights = torch.rand(ids.numel(), generator=gen) * 2
+    ref = ReferenceKernels(batch_invariant=False).expert_outputs(x, pair_token, ids, weights, experts)
+    got = TritonKernels().expert_outputs(x.to(device()), pair_token.to(device()), ids.to(device()),
+                                         weights.to(device()), experts.to(device())).cpu()
+    assert_experts_close_to_reference(got, ref)
+
+
 def test_triton_rows_do_not_depend_on_the_batch_in_batch_invariant_mode():
     from model.kernels.triton_backend import TritonKernels
 

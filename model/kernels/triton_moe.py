@@ -17,6 +17,14 @@ One MoE layer's routed experts in four steps, with no host synchronisation:
 4. ``_down_kernel``: per (block, tile of the hidden dimension), those rows times the expert's
    ``w2``; each row is written to its pair's place in the output.
 
+An expert's last block is rarely full: with uniform routing an expert's pair count spreads around
+its mean, so at 128 tokens per block half of an 8K-token prefill's experts need a second block that
+holds a few rows (68% of the blocks' rows in use). Both kernels therefore narrow a block's token tile
+at run time to the rows it holds (a quarter, a half or all of ``BLOCK_T``, at least 16 tokens): a
+block of 6 rows multiplies a 16-token tile, not a 128-token one. The blocks and their rows stay where
+they are; only the tensor cores' narrow side shrinks, as it does between the table's configs (16 to
+128 tokens wide, whose rows come out bit for bit the same: ``test_triton_kernels_gpu.py``).
+
 Layout on the tensor cores (as ``triton_decode_mm``): the expert's weight rows fill the 64-row side
 and a block's tokens (16-64) the narrow side, so the few tokens an expert gets in a decode step
 waste no instruction rows. Each K step of ``BLOCK_K`` columns expands the weight tile to bf16 with
@@ -46,19 +54,28 @@ from .triton_weight_tiles import FP4_FRAGMENTS, format_code, fragment_offsets, f
 from .weights import ExpertWeights
 
 BLOCK_K = 128  # K columns per step, fixed for batch invariance (the experts' widths are multiples of 32)
+MIN_WIDTH = tl.constexpr(16)  # the narrowest token tile of a block's last rows (the tensor cores' narrow side)
 
 
 @triton.jit
-def _block_rows(block_expert_ptr, block_index_ptr, expert_start_ptr, expert_count_ptr, sorted_pair_ptr, pid_b,
-                BLOCK_T: tl.constexpr):
-    """(expert, row mask, pair ids) of one block of the sorted pair list; expert < 0: no work."""
+def _block_rows(sorted_pair_ptr, first, block_index, count, BLOCK_T: tl.constexpr, WIDTH: tl.constexpr):
+    """(row mask, pair ids) of the first ``WIDTH`` rows of block ``block_index`` of one expert's pairs
+    (``count`` of them, listed from ``sorted_pair_ptr + first``)."""
+    rows = block_index * BLOCK_T + tl.arange(0, WIDTH)
+    row_mask = rows < count
+    return row_mask, tl.load(sorted_pair_ptr + first + rows, mask=row_mask, other=0)
+
+
+@triton.jit
+def _block_of(block_expert_ptr, block_index_ptr, expert_start_ptr, expert_count_ptr, pid_b, BLOCK_T: tl.constexpr):
+    """(expert, block index within the expert, the expert's first sorted pair, its pair count, the
+    block's rows in use) of block ``pid_b``; expert < 0: no work."""
     expert = tl.load(block_expert_ptr + pid_b)
     safe = tl.maximum(expert, 0)
-    rows = tl.load(block_index_ptr + pid_b) * BLOCK_T + tl.arange(0, BLOCK_T)
+    block_index = tl.load(block_index_ptr + pid_b)
     count = tl.where(expert >= 0, tl.load(expert_count_ptr + safe), 0)
-    row_mask = rows < count
-    pairs = tl.load(sorted_pair_ptr + tl.load(expert_start_ptr + safe) + rows, mask=row_mask, other=0)
-    return expert, row_mask, pairs
+    rows_in_use = tl.minimum(count - block_index * BLOCK_T, BLOCK_T)
+    return expert, block_index, tl.load(expert_start_ptr + safe), count, rows_in_use
 
 
 @triton.jit
@@ -92,32 +109,22 @@ def _tile_start(pid_w, K, B_FMT: tl.constexpr, BLOCK_W: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_ptr, expert_start_ptr, expert_count_ptr,
-                    block_expert_ptr, block_index_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
-                    D, INTER, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, limit,
-                    B_FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN_K: tl.constexpr, INTERPRETED: tl.constexpr):
-    pid_w, pid_b = tl.program_id(0), tl.program_id(1)
-    expert, row_mask, pairs = _block_rows(block_expert_ptr, block_index_ptr, expert_start_ptr, expert_count_ptr,
-                                          sorted_pair_ptr, pid_b, BLOCK_T)
-    if expert < 0:
-        return
+def _gate_up_rows(x_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_ptr, first, block_index, count, pid_w, pid_b,
+                  w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, D, INTER, stride_x, stride_wn, stride_sn, stride_h, limit,
+                  B_FMT: tl.constexpr, BLOCK_T: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr,
+                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The gate/up product of the first ``WIDTH`` rows of a block, its epilogue and its store."""
+    row_mask, pairs = _block_rows(sorted_pair_ptr, first, block_index, count, BLOCK_T, WIDTH)
     tokens = tl.load(pair_token_ptr + pairs, mask=row_mask, other=0).to(tl.int64)
     offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
-    e = expert.to(tl.int64)
-    w_start, s_start = _tile_start(pid_w, D, B_FMT, BLOCK_W)
-    w1_ptr += e * stride_we + w_start
-    w3_ptr += e * stride_we + w_start
-    s1_ptr += e * stride_se + s_start
-    s3_ptr += e * stride_se + s_start
     words, scales = fragment_offsets(D, BLOCK_W, BLOCK_K)
     groups = INTER // 16 - pid_w * (BLOCK_W // 16)
-    gate = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
-    up = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
+    gate = tl.zeros((BLOCK_W, WIDTH), dtype=tl.float32)
+    up = tl.zeros((BLOCK_W, WIDTH), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + tokens[:, None] * stride_x + offs_k[None, :],
-                    mask=row_mask[:, None] & (offs_k[None, :] < D), other=0.0)  # [BLOCK_T, BLOCK_K]
+                    mask=row_mask[:, None] & (offs_k[None, :] < D), other=0.0)  # [WIDTH, BLOCK_K]
         w1 = _expert_tile(w1_ptr, s1_ptr, offs_w, k0, INTER, D, stride_wn, stride_sn, words, scales, groups, B_FMT,
                           BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
         gate = _dot(gate, w1, tl.trans(a), INTERPRETED)
@@ -125,10 +132,40 @@ def _gate_up_kernel(x_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_ptr, exp
                           BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
         up = _dot(up, w3, tl.trans(a), INTERPRETED)
     weight = tl.load(pair_weight_ptr + pairs, mask=row_mask, other=0.0)
-    round_trip = hidden_round_trip(gate, up, weight, limit, BLOCK_T, BLOCK_W, INTERPRETED)
-    rows = (pid_b * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    round_trip = hidden_round_trip(gate, up, weight, limit, WIDTH, BLOCK_W, INTERPRETED)
+    rows = (pid_b * BLOCK_T + tl.arange(0, WIDTH)).to(tl.int64)
     tl.store(h_ptr + rows[:, None] * stride_h + offs_w[None, :], round_trip.to(tl.bfloat16),  # exact
              mask=row_mask[:, None] & (offs_w[None, :] < INTER))
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_ptr, expert_start_ptr, expert_count_ptr,
+                    block_expert_ptr, block_index_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
+                    D, INTER, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, limit,
+                    B_FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
+                    EVEN_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    pid_w, pid_b = tl.program_id(0), tl.program_id(1)
+    expert, block_index, first, count, rows_in_use = _block_of(block_expert_ptr, block_index_ptr, expert_start_ptr,
+                                                               expert_count_ptr, pid_b, BLOCK_T)
+    if expert < 0:
+        return
+    e = expert.to(tl.int64)
+    w_start, s_start = _tile_start(pid_w, D, B_FMT, BLOCK_W)
+    w1_ptr += e * stride_we + w_start
+    w3_ptr += e * stride_we + w_start
+    s1_ptr += e * stride_se + s_start
+    s3_ptr += e * stride_se + s_start
+    args = (x_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_ptr, first, block_index, count, pid_w, pid_b,
+            w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, D, INTER, stride_x, stride_wn, stride_sn, stride_h, limit)
+    if BLOCK_T >= 4 * MIN_WIDTH:  # a block's last rows: the narrowest tile that holds them
+        if rows_in_use <= BLOCK_T // 4:
+            _gate_up_rows(*args, B_FMT, BLOCK_T, BLOCK_T // 4, BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
+        elif rows_in_use <= BLOCK_T // 2:
+            _gate_up_rows(*args, B_FMT, BLOCK_T, BLOCK_T // 2, BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
+        else:
+            _gate_up_rows(*args, B_FMT, BLOCK_T, BLOCK_T, BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
+    else:
+        _gate_up_rows(*args, B_FMT, BLOCK_T, BLOCK_T, BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
 
 
 @triton.jit
@@ -149,24 +186,17 @@ def hidden_round_trip(gate, up, weight, limit, BLOCK_T: tl.constexpr, BLOCK_W: t
 
 
 @triton.jit
-def _down_kernel(h_ptr, out_ptr, sorted_pair_ptr, expert_start_ptr, expert_count_ptr, block_expert_ptr,
-                 block_index_ptr, w2_ptr, s2_ptr, INTER, D, stride_h, stride_out, stride_we, stride_wn,
-                 stride_se, stride_sn, B_FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRETED: tl.constexpr):
-    pid_w, pid_b = tl.program_id(0), tl.program_id(1)
-    expert, row_mask, pairs = _block_rows(block_expert_ptr, block_index_ptr, expert_start_ptr, expert_count_ptr,
-                                          sorted_pair_ptr, pid_b, BLOCK_T)
-    if expert < 0:
-        return
+def _down_rows(h_ptr, out_ptr, sorted_pair_ptr, first, block_index, count, pid_w, pid_b, w2_ptr, s2_ptr, INTER, D,
+               stride_h, stride_out, stride_wn, stride_sn, B_FMT: tl.constexpr, BLOCK_T: tl.constexpr,
+               WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+               INTERPRETED: tl.constexpr):
+    """The down projection of the first ``WIDTH`` rows of a block, each written to its pair's row."""
+    row_mask, pairs = _block_rows(sorted_pair_ptr, first, block_index, count, BLOCK_T, WIDTH)
     offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
-    rows = (pid_b * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    e = expert.to(tl.int64)
-    w_start, s_start = _tile_start(pid_w, INTER, B_FMT, BLOCK_W)
-    w2_ptr += e * stride_we + w_start
-    s2_ptr += e * stride_se + s_start
+    rows = (pid_b * BLOCK_T + tl.arange(0, WIDTH)).to(tl.int64)
     words, scales = fragment_offsets(INTER, BLOCK_W, BLOCK_K)
     groups = D // 16 - pid_w * (BLOCK_W // 16)
-    acc = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_W, WIDTH), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(h_ptr + rows[:, None] * stride_h + offs_k[None, :],
@@ -176,6 +206,33 @@ def _down_kernel(h_ptr, out_ptr, sorted_pair_ptr, expert_start_ptr, expert_count
         acc = _dot(acc, w2, tl.trans(a), INTERPRETED)
     tl.store(out_ptr + pairs[None, :].to(tl.int64) * stride_out + offs_w[:, None], to_bf16(acc, INTERPRETED),
              mask=row_mask[None, :] & (offs_w[:, None] < D))
+
+
+@triton.jit
+def _down_kernel(h_ptr, out_ptr, sorted_pair_ptr, expert_start_ptr, expert_count_ptr, block_expert_ptr,
+                 block_index_ptr, w2_ptr, s2_ptr, INTER, D, stride_h, stride_out, stride_we, stride_wn,
+                 stride_se, stride_sn, B_FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    pid_w, pid_b = tl.program_id(0), tl.program_id(1)
+    expert, block_index, first, count, rows_in_use = _block_of(block_expert_ptr, block_index_ptr, expert_start_ptr,
+                                                               expert_count_ptr, pid_b, BLOCK_T)
+    if expert < 0:
+        return
+    e = expert.to(tl.int64)
+    w_start, s_start = _tile_start(pid_w, INTER, B_FMT, BLOCK_W)
+    w2_ptr += e * stride_we + w_start
+    s2_ptr += e * stride_se + s_start
+    args = (h_ptr, out_ptr, sorted_pair_ptr, first, block_index, count, pid_w, pid_b, w2_ptr, s2_ptr, INTER, D,
+            stride_h, stride_out, stride_wn, stride_sn)
+    if BLOCK_T >= 4 * MIN_WIDTH:  # as in _gate_up_kernel
+        if rows_in_use <= BLOCK_T // 4:
+            _down_rows(*args, B_FMT, BLOCK_T, BLOCK_T // 4, BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
+        elif rows_in_use <= BLOCK_T // 2:
+            _down_rows(*args, B_FMT, BLOCK_T, BLOCK_T // 2, BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
+        else:
+            _down_rows(*args, B_FMT, BLOCK_T, BLOCK_T, BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
+    else:
+        _down_rows(*args, B_FMT, BLOCK_T, BLOCK_T, BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
 
 
 def align_pairs(pair_expert: torch.Tensor, num_experts: int, block_m: int, pdl: bool = False,
