@@ -215,6 +215,18 @@ def main() -> int:
             **scalars("INTER D stride_h stride_out stride_we stride_wn stride_se stride_sn")}
     aligned = tuple(name for name in triton_moe._gate_up_kernel.arg_names if name.endswith("_ptr")) + (
         "D", "INTER", "stride_x", "stride_we", "stride_se", "stride_h", "stride_out")
+    def token_tiles(block_t: int):
+        """The check that a routed-experts kernel multiplies a tile of each width it may narrow a block to
+        (``triton_moe``: a quarter, a half and all of a block of at least 4 x ``MIN_WIDTH`` tokens): one
+        ``wgmma`` shape ``m64nWk16`` per width ``W``."""
+        narrowest = triton_moe.MIN_WIDTH.value
+        widths = {block_t // 4, block_t // 2, block_t} if block_t >= 4 * narrowest else {block_t}
+
+        def problems(kernel) -> list[str]:
+            found = {int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", kernel.asm["ptx"])}
+            return [] if found == widths else [f"token tiles {sorted(found)} wide, not {sorted(widths)}"]
+        return problems
+
     for _, cfg in tile_configs._MOE_TABLE:
         for b_fmt in (1, 0, 3):  # FP4 rows, FP8, FP4 fragments
             constants = {"B_FMT": b_fmt, "BLOCK_T": cfg.block_m, "BLOCK_W": cfg.block_n,
@@ -222,7 +234,7 @@ def main() -> int:
             for name, fn, types in (("gate_up", triton_moe._gate_up_kernel, gate_up),
                                     ("down", triton_moe._down_kernel, down)):
                 check(f"moe {name} fmt={b_fmt} {cfg}", fn, types, constants, cfg, spill_free=b_fmt == 3,
-                      aligned=tuple(a for a in aligned if a in fn.arg_names))
+                      aligned=tuple(a for a in aligned if a in fn.arg_names), inspect=token_tiles(cfg.block_m))
 
     decode = {"a_ptr": "*bf16", **scalars("M N K k_per_split stride_am stride_ag stride_wn stride_wg stride_sn "
                                            "stride_sg stride_os stride_om")}

@@ -155,9 +155,10 @@ def _sums_from_registers(weights, scales, x_ptr, rows, K, k_begin, k_end, BLOCK_
 @triton.jit
 def _fetch_first_steps(tile_start, K, k_begin, k_end, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
                        FETCH_STEPS: tl.constexpr, PDL: tl.constexpr):
-    """With PDL, the weight of the ``RING - 1`` steps that the ring's first copies read (rows from
-    ``tile_start``, a byte pointer), fetched into L2 before the kernel's wait: one address per 128-byte
-    line, nothing waits for them. (The weights are never written during a step.)"""
+    """With PDL, the weight of the first ``FETCH_STEPS`` steps (the caller: the ``RING - 1`` that the
+    ring's first copies read; rows from ``tile_start``, a byte pointer), fetched into L2 before the
+    kernel's wait: one address per 128-byte line, nothing waits for them. (The weights are never written
+    during a step.)"""
     if PDL:
         LINES: tl.constexpr = (BLOCK_K + 127) // 128  # a row's lines in one step
         rows = tl.arange(0, BLOCK_W)
