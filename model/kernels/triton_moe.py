@@ -80,6 +80,23 @@ def _block_of(block_expert_ptr, block_index_ptr, expert_start_ptr, expert_count_
 
 
 @triton.jit
+def _narrowest_tile(block_rows_fn: tl.constexpr, args, rows_in_use, B_FMT: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``block_rows_fn(*args, ...)`` (``_gate_up_rows`` or ``_down_rows``) with the narrowest token tile
+    that holds a block's rows in use: a quarter, a half or all of ``BLOCK_T`` when that is at least
+    4 x ``MIN_WIDTH`` tokens, else all of it."""
+    if BLOCK_T >= 4 * MIN_WIDTH:
+        if rows_in_use <= BLOCK_T // 4:
+            block_rows_fn(*args, B_FMT, BLOCK_T, BLOCK_T // 4, BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
+        elif rows_in_use <= BLOCK_T // 2:
+            block_rows_fn(*args, B_FMT, BLOCK_T, BLOCK_T // 2, BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
+        else:
+            block_rows_fn(*args, B_FMT, BLOCK_T, BLOCK_T, BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
+    else:
+        block_rows_fn(*args, B_FMT, BLOCK_T, BLOCK_T, BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
+
+
+@triton.jit
 def _dot(acc, w, a, INTERPRETED: tl.constexpr):
     if INTERPRETED:  # the interpreter multiplies 16-bit dot operands wrongly; fp32 gives the same exact products
         return tl.dot(w.to(tl.float32), a.to(tl.float32), acc, input_precision="ieee")
@@ -158,15 +175,7 @@ def _gate_up_kernel(x_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_ptr, exp
     s3_ptr += e * stride_se + s_start
     args = (x_ptr, pair_token_ptr, pair_weight_ptr, sorted_pair_ptr, first, block_index, count, pid_w, pid_b,
             w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, D, INTER, stride_x, stride_wn, stride_sn, stride_h, limit)
-    if BLOCK_T >= 4 * MIN_WIDTH:  # a block's last rows: the narrowest tile that holds them
-        if rows_in_use <= BLOCK_T // 4:
-            _gate_up_rows(*args, B_FMT, BLOCK_T, BLOCK_T // 4, BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
-        elif rows_in_use <= BLOCK_T // 2:
-            _gate_up_rows(*args, B_FMT, BLOCK_T, BLOCK_T // 2, BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
-        else:
-            _gate_up_rows(*args, B_FMT, BLOCK_T, BLOCK_T, BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
-    else:
-        _gate_up_rows(*args, B_FMT, BLOCK_T, BLOCK_T, BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
+    _narrowest_tile(_gate_up_rows, args, rows_in_use, B_FMT, BLOCK_T, BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
 
 
 @triton.jit
@@ -225,15 +234,7 @@ def _down_kernel(h_ptr, out_ptr, sorted_pair_ptr, expert_start_ptr, expert_count
     s2_ptr += e * stride_se + s_start
     args = (h_ptr, out_ptr, sorted_pair_ptr, first, block_index, count, pid_w, pid_b, w2_ptr, s2_ptr, INTER, D,
             stride_h, stride_out, stride_wn, stride_sn)
-    if BLOCK_T >= 4 * MIN_WIDTH:  # as in _gate_up_kernel
-        if rows_in_use <= BLOCK_T // 4:
-            _down_rows(*args, B_FMT, BLOCK_T, BLOCK_T // 4, BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
-        elif rows_in_use <= BLOCK_T // 2:
-            _down_rows(*args, B_FMT, BLOCK_T, BLOCK_T // 2, BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
-        else:
-            _down_rows(*args, B_FMT, BLOCK_T, BLOCK_T, BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
-    else:
-        _down_rows(*args, B_FMT, BLOCK_T, BLOCK_T, BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
+    _narrowest_tile(_down_rows, args, rows_in_use, B_FMT, BLOCK_T, BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
 
 
 def align_pairs(pair_expert: torch.Tensor, num_experts: int, block_m: int, pdl: bool = False,
