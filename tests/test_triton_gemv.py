@@ -1,4 +1,4 @@
-"""The one-token FP8 products on the CUDA cores (``model/kernels/triton_gemv.py``) against the
+"""The one- and two-token FP8 products on the CUDA cores (``model/kernels/triton_gemv.py``) against the
 reference arithmetic, in Triton's interpreter at tiny shapes (on CUDA: the same shapes on the GPU;
 ``test_triton_kernels_gpu.py`` runs the real ones through the backend).
 
@@ -31,7 +31,7 @@ REFERENCE = ReferenceKernels(batch_invariant=False)
 def _config(monkeypatch, block_w: int, block_k: int, programs_per_sm: int, max_splits: int = 64,
             sms: int = 132, stages: int = 1) -> None:
     cfg = tile_configs.DecodeConfig(block_w, block_k, 4, stages, programs_per_sm, max_splits=max_splits)
-    monkeypatch.setattr(tile_configs, "_GEMV_TABLE", ((1, cfg),))
+    monkeypatch.setattr(tile_configs, "_GEMV_TABLE", ((triton_gemv.MAX_TOKENS, cfg),))
     monkeypatch.setattr(triton_gemv, "sm_count", lambda device: sms)
 
 
@@ -166,11 +166,37 @@ def test_the_ring_in_shared_memory_gives_the_registers_bits(monkeypatch, case):
         assert_close_to_reference(outputs[1].cpu(), REFERENCE.quantized_linear(x.cpu(), weights[0].to("cpu")))
 
 
+@pytest.mark.parametrize("case", ["one weight in splits", "two weights", "groups", "ring"])
+def test_two_tokens_give_each_token_its_one_token_bits(monkeypatch, case):
+    """Two rows in one launch: each weight value is expanded once and multiplied by both rows, each
+    row keeping its own sums in the one-token order, so every row has the bits it has alone (and so
+    meets the reference's bound), with K in splits or not, two weights, groups, the ring or registers."""
+    gen = torch.Generator().manual_seed(20 + len(case))
+    groups = 3 if case == "groups" else 1
+    k = 640
+    shapes = {"two weights": (64, 160), "groups": (3 * 64,)}.get(case, (96,))
+    weights = [random_weight(WeightFormat.FP8, n, k, gen).to(device()) for n in shapes]
+    pairs = [(w.values, w.scales) for w in weights]
+    _config(monkeypatch, 16, 128, 4 if case != "two weights" else 1, max_splits=3, stages=3 if case == "ring" else 1)
+    x = (torch.randn(2, groups * k, generator=gen) * 3).bfloat16().to(device())
+    quantize = case != "groups"
+    both = fp8_gemv(x, pairs, quantize=quantize, groups=groups)
+    assert both.shape == (2, sum(shapes))
+    for row in range(2):
+        assert torch.equal(both[row:row + 1], fp8_gemv(x[row:row + 1], pairs, quantize=quantize, groups=groups))
+    if quantize:
+        assert_close_to_reference(both[:, :shapes[0]].cpu(), REFERENCE.quantized_linear(x.cpu(), weights[0].to("cpu")))
+    else:
+        ref = REFERENCE.grouped_dequantized_linear(x.view(2, groups, k).cpu(), weights[0].to("cpu"))
+        assert_close_to_reference(both.view(2, groups, 64).cpu(), ref)
+    assert not any(counters.any() for counters in triton_split_sums._counters.values())
+
+
 def test_rejects_what_it_does_not_compute():
     gen = torch.Generator().manual_seed(0)
     w = random_weight(WeightFormat.FP8, 64, 128, gen).to(device())
-    with pytest.raises(ValueError, match="one row"):
-        fp8_gemv(torch.zeros(2, 128, dtype=torch.bfloat16, device=device()), [(w.values, w.scales)], quantize=True)
+    with pytest.raises(ValueError, match="1-2 rows"):
+        fp8_gemv(torch.zeros(3, 128, dtype=torch.bfloat16, device=device()), [(w.values, w.scales)], quantize=True)
     with pytest.raises(ValueError, match="K = 96"):
         fp8_gemv(torch.zeros(1, 96, dtype=torch.bfloat16, device=device()), [(w.values, w.scales)], quantize=True)
 

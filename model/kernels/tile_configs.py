@@ -123,7 +123,7 @@ def fp8_decode_config(m: int) -> DecodeConfig:
 # ``benchmarks/kernels.py --gemv-configs`` times the layer graph with given configs, ``--tune --m 1``
 # sweeps candidates per projection
 _GEMV_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
-    (1, DecodeConfig(32, 512, 4, 3, 1)),
+    (2, DecodeConfig(32, 512, 4, 3, 1)),  # (two tokens: not the backend's default, see MMA_GEMV_MIN_TOKENS)
 )
 
 # One launch's shape -> its config, looked up before the table above: ``(rows, K)``, ``rows`` the
