@@ -263,16 +263,19 @@ def main() -> int:
     for cfg in dict.fromkeys(gemv_configs + [tile_configs.GEMV_IN_REGISTERS]):
         ring = cfg.num_stages if cfg.num_stages > 1 else 0
         weight = f"tensordesc<i32[{cfg.block_w}, {cfg.block_k // 4}]>" if ring else "*u8"
-        for quantize, partial, pdl in ((True, True, False), (True, False, False), (False, True, False),
-                                       (True, True, True), (False, False, True)):  # FP8 linears; wo_a
-            check(f"fp8_gemv quantize={quantize} partial={partial} {cfg}", triton_gemv._fp8_gemv_kernel,
+        for tokens, quantize, partial, pdl in ((1, True, True, False), (1, True, False, False),
+                                               (1, False, True, False), (1, True, True, True), (1, False, False, True),
+                                               (2, True, True, False), (2, True, False, False),
+                                               (2, False, True, True)):  # FP8 linears; wo_a
+            check(f"fp8_gemv tokens={tokens} quantize={quantize} partial={partial} {cfg}",
+                  triton_gemv._fp8_gemv_kernel,
                   {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "w2_ptr": "*u8", "s2_ptr": "*u8",
                    "w_desc": weight, "w2_desc": weight, "out_ptr": "*bf16", "part_ptr": "*fp32",
-                   "counter_ptr": "*i32", **scalars("N N2 K k_per_split splits stride_os")},
-                  {"BLOCK_W": cfg.block_w, "BLOCK_K": cfg.block_k, "RING": ring, "QUANTIZE": quantize,
-                   "PARTIAL": partial, "INTERPRETED": False}, cfg, wgmma=False,
+                   "counter_ptr": "*i32", **scalars("N N2 K k_per_split splits stride_os stride_x width")},
+                  {"TOKENS": tokens, "BLOCK_W": cfg.block_w, "BLOCK_K": cfg.block_k, "RING": ring,
+                   "QUANTIZE": quantize, "PARTIAL": partial, "INTERPRETED": False}, cfg, wgmma=False,
                   aligned=("x_ptr", "w_ptr", "s_ptr", "w2_ptr", "s2_ptr", "out_ptr", "part_ptr", "K", "k_per_split",
-                           "stride_os"),
+                           "stride_os", "stride_x", "width"),
                   spill_free=True, pdl=pdl, prefetch=True, inspect=streamed_by_tma if ring else None)
     other_steps = [replace(cfg, block_k=k) for _, cfg in tile_configs._MMA_GEMV_TABLE[:1] for k in (32, 64, 128)
                    if k != cfg.block_k]  # the sweep's other steps

@@ -71,12 +71,12 @@ from .triton_dependent_launch import fetch_into_l2, launch_arguments, let_next_k
 from .triton_split_sums import last_to_arrive, reset_counter, split_counters, sum_partials
 from .triton_weight_tiles import e4m3_words_to_f32
 
-MAX_TOKENS = 2  # rows it takes: each weight value expanded once, multiplied by every row (one sum each)
+MAX_TOKENS = 2  # rows it takes: each weight value expanded once for both, each row with sums of its own
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, w_desc, w2_desc, out_ptr, part_ptr, counter_ptr, M, N, N2,
-                     K, stride_x, k_per_split, splits, stride_os, width, TOKENS: tl.constexpr, BLOCK_W: tl.constexpr,
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, w_desc, w2_desc, out_ptr, part_ptr, counter_ptr, N, N2, K,
+                     k_per_split, splits, stride_os, stride_x, width, TOKENS: tl.constexpr, BLOCK_W: tl.constexpr,
                      BLOCK_K: tl.constexpr, RING: tl.constexpr, QUANTIZE: tl.constexpr, PARTIAL: tl.constexpr,
                      PDL: tl.constexpr, INTERPRETED: tl.constexpr):
     pid_w, split, group = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -86,15 +86,14 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, w_desc, w2_desc, out_p
         weights, scales, tile, first_col, first_row = w_ptr, s_ptr, pid_w, group * N, group * N
     else:
         weights, scales, tile, first_col, first_row = w2_ptr, s2_ptr, pid_w - tiles, N, 0
-    tokens = tl.arange(0, TOKENS)
-    x_rows = x_ptr + group * K + tl.minimum(tokens, M - 1) * stride_x  # (a row past M reads the last: not kept)
+    x_ptr += group * K
     scales += (first_row + tile * BLOCK_W) // 32 * (K // 32)  # BLOCK_W divides 32: one row of scales
     rows = tile * BLOCK_W + tl.arange(0, BLOCK_W)
     k_begin = split * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     if RING == 0:
-        acc = _sums_from_registers(weights + first_row * K, scales, x_rows, rows, K, k_begin, k_end, TOKENS, BLOCK_W,
-                                   BLOCK_K, QUANTIZE, PDL, INTERPRETED)
+        acc, acc_2 = _sums_from_registers(weights + first_row * K, scales, x_ptr, stride_x, rows, K, k_begin, k_end,
+                                          TOKENS, BLOCK_W, BLOCK_K, QUANTIZE, PDL, INTERPRETED)
     else:
         # with PDL: the ring's first steps are fetched into L2 while the previous kernel finishes, and the
         # next kernel starts only once this one's weight is streamed (its programs, which fetch and
@@ -104,33 +103,41 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, w_desc, w2_desc, out_p
         wait_for_previous_kernel(PDL)
         # (a descriptor cannot be chosen at run time: each weight has its loop)
         if pid_w < tiles:
-            acc = _sums_from_ring(w_desc, first_row + tile * BLOCK_W, scales, x_rows, k_begin, k_end, TOKENS,
-                                  BLOCK_W, BLOCK_K, RING, QUANTIZE, INTERPRETED)
+            acc, acc_2 = _sums_from_ring(w_desc, first_row + tile * BLOCK_W, scales, x_ptr, stride_x, k_begin, k_end,
+                                         TOKENS, BLOCK_W, BLOCK_K, RING, QUANTIZE, INTERPRETED)
         else:
-            acc = _sums_from_ring(w2_desc, first_row + tile * BLOCK_W, scales, x_rows, k_begin, k_end, TOKENS,
-                                  BLOCK_W, BLOCK_K, RING, QUANTIZE, INTERPRETED)
+            acc, acc_2 = _sums_from_ring(w2_desc, first_row + tile * BLOCK_W, scales, x_ptr, stride_x, k_begin,
+                                         k_end, TOKENS, BLOCK_W, BLOCK_K, RING, QUANTIZE, INTERPRETED)
         let_next_kernel_start(PDL)
-    acc = tl.sum(tl.sum(acc, axis=3), axis=2)  # [TOKENS, BLOCK_W]
-    # every weight row exists (N and N2 are whole 32-row blocks); rows of x past M are not kept
-    places = tokens[:, None] * width + first_col + rows[None, :]
-    kept = (tokens < M)[:, None] & (rows >= 0)[None, :]
+    acc = tl.sum(tl.sum(acc, axis=2), axis=1)
+    columns = first_col + rows  # every row exists: N and N2 are whole 32-row blocks
+    if TOKENS == 2:  # the second token's outputs (and partials) one output row further
+        acc_2 = tl.sum(tl.sum(acc_2, axis=2), axis=1)
     if PARTIAL:
-        tl.store(part_ptr + split * stride_os + places, acc, mask=kept)
+        tl.store(part_ptr + split * stride_os + columns, acc)
+        if TOKENS == 2:
+            tl.store(part_ptr + split * stride_os + width + columns, acc_2)
         counter_ptr += group * tiles + pid_w
         if last_to_arrive(counter_ptr, splits):
-            total = sum_partials(part_ptr + places, splits, stride_os, kept)
-            tl.store(out_ptr + places, to_bf16(total, INTERPRETED), mask=kept)
+            every_column = columns >= 0  # (no mask needed: every row exists)
+            total = sum_partials(part_ptr + columns, splits, stride_os, every_column)
+            tl.store(out_ptr + columns, to_bf16(total, INTERPRETED))
+            if TOKENS == 2:
+                total = sum_partials(part_ptr + width + columns, splits, stride_os, every_column)
+                tl.store(out_ptr + width + columns, to_bf16(total, INTERPRETED))
             reset_counter(counter_ptr)
     else:
-        tl.store(out_ptr + places, to_bf16(acc, INTERPRETED), mask=kept)
+        tl.store(out_ptr + columns, to_bf16(acc, INTERPRETED))
+        if TOKENS == 2:
+            tl.store(out_ptr + width + columns, to_bf16(acc_2, INTERPRETED))
 
 
 @triton.jit
-def _sums_from_registers(weights, scales, x_rows, rows, K, k_begin, k_end, TOKENS: tl.constexpr,
+def _sums_from_registers(weights, scales, x_ptr, stride_x, rows, K, k_begin, k_end, TOKENS: tl.constexpr,
                          BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, QUANTIZE: tl.constexpr, PDL: tl.constexpr,
                          INTERPRETED: tl.constexpr):
-    """The sums ``[TOKENS, rows, ...]`` per token (``x_rows``: each token's first column) and word
-    position of rows ``rows`` over columns ``k_begin..k_end``, the weight loaded
+    """The sums per word position of rows ``rows`` over columns ``k_begin..k_end``, the first token's and
+    (``TOKENS`` = 2) the second's (the first's again at one token), the weight loaded
     straight into registers one step ahead of its use (the last step reloads its own), so a step's
     latency overlaps the previous step's arithmetic (two steps ahead measured slower on one H200). The
     first step's weight needs nothing from earlier kernels: it is loaded before the wait."""
@@ -139,21 +146,31 @@ def _sums_from_registers(weights, scales, x_rows, rows, K, k_begin, k_end, TOKEN
     cols = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]  # [BLOCKS, 32]: a step's columns by scale block
     words = blocks[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BLOCKS, 8]: a step's weight words (4 bytes each)
     w_ptrs = weights.to(tl.pointer_type(tl.int32), bitcast=True) + rows[:, None, None] * (K // 4) + words[None, :, :]
-    acc = tl.zeros((TOKENS, BLOCK_W, BLOCKS, 8), dtype=tl.float32)  # one sum per token and word position
-    x_ptrs = x_rows[:, None, None] + cols[None, :, :]  # [TOKENS, BLOCKS, 32]
+    acc = tl.zeros((BLOCK_W, BLOCKS, 8), dtype=tl.float32)  # one sum per word position
     raw_next = tl.load(w_ptrs + k_begin // 4)
     w_exp_next = tl.load(scales + k_begin // 32 + blocks)
     wait_for_previous_kernel(PDL)
     let_next_kernel_start(PDL)
-    x_next = tl.load(x_ptrs + k_begin)
+    x_next = tl.load(x_ptr + k_begin + cols)
+    if TOKENS == 2:
+        acc_2 = tl.zeros((BLOCK_W, BLOCKS, 8), dtype=tl.float32)
+        x_2_next = tl.load(x_ptr + stride_x + k_begin + cols)
     for k0 in range(k_begin, k_end, BLOCK_K):
         raw, w_exp, x = raw_next, w_exp_next, x_next
         following = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K)
         raw_next = tl.load(w_ptrs + following // 4)
         w_exp_next = tl.load(scales + following // 32 + blocks)
-        x_next = tl.load(x_ptrs + following)
-        acc = _add_products(acc, raw, w_exp, x, BLOCKS, QUANTIZE, INTERPRETED)
-    return acc
+        x_next = tl.load(x_ptr + following + cols)
+        if TOKENS == 2:
+            x_2 = x_2_next
+            x_2_next = tl.load(x_ptr + stride_x + following + cols)
+        values = e4m3_words_to_f32(raw, INTERPRETED)  # (the four values of each word)
+        acc = _add_products(acc, values, w_exp, x, BLOCKS, QUANTIZE)
+        if TOKENS == 2:
+            acc_2 = _add_products(acc_2, values, w_exp, x_2, BLOCKS, QUANTIZE)
+    if TOKENS == 2:
+        return acc, acc_2
+    return acc, acc
 
 
 @triton.jit
@@ -173,8 +190,9 @@ def _fetch_first_steps(tile_start, K, k_begin, k_end, BLOCK_W: tl.constexpr, BLO
 
 
 @triton.jit
-def _sums_from_ring(desc, first_row, scales, x_rows, k_begin, k_end, TOKENS: tl.constexpr, BLOCK_W: tl.constexpr,
-                    BLOCK_K: tl.constexpr, RING: tl.constexpr, QUANTIZE: tl.constexpr, INTERPRETED: tl.constexpr):
+def _sums_from_ring(desc, first_row, scales, x_ptr, stride_x, k_begin, k_end, TOKENS: tl.constexpr,
+                    BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, RING: tl.constexpr, QUANTIZE: tl.constexpr,
+                    INTERPRETED: tl.constexpr):
     """``_sums_from_registers``' sums, the weight streamed by the tensor memory accelerator through a
     ring of ``RING`` tiles in shared memory (the compiler's pipelining of the descriptor's loads): up to
     ``RING - 1`` steps are in flight while one is used, with no register held for them. The activation
@@ -182,42 +200,51 @@ def _sums_from_ring(desc, first_row, scales, x_rows, k_begin, k_end, TOKENS: tl.
     BLOCKS: tl.constexpr = BLOCK_K // 32
     blocks = tl.arange(0, BLOCKS)
     cols = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]
-    acc = tl.zeros((TOKENS, BLOCK_W, BLOCKS, 8), dtype=tl.float32)
-    x_ptrs = x_rows[:, None, None] + cols[None, :, :]  # [TOKENS, BLOCKS, 32]
+    acc = tl.zeros((BLOCK_W, BLOCKS, 8), dtype=tl.float32)
     w_exp_next = tl.load(scales + k_begin // 32 + blocks)
-    x_next = tl.load(x_ptrs + k_begin)
+    x_next = tl.load(x_ptr + k_begin + cols)
+    if TOKENS == 2:
+        acc_2 = tl.zeros((BLOCK_W, BLOCKS, 8), dtype=tl.float32)
+        x_2_next = tl.load(x_ptr + stride_x + k_begin + cols)
     for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=RING):
         raw = tl.reshape(desc.load([first_row, k0 // 4]), (BLOCK_W, BLOCKS, 8))
         w_exp, x = w_exp_next, x_next
         following = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K)
         w_exp_next = tl.load(scales + following // 32 + blocks)
-        x_next = tl.load(x_ptrs + following)
-        acc = _add_products(acc, raw, w_exp, x, BLOCKS, QUANTIZE, INTERPRETED)
-    return acc
+        x_next = tl.load(x_ptr + following + cols)
+        if TOKENS == 2:
+            x_2 = x_2_next
+            x_2_next = tl.load(x_ptr + stride_x + following + cols)
+        values = e4m3_words_to_f32(raw, INTERPRETED)  # (the four values of each word)
+        acc = _add_products(acc, values, w_exp, x, BLOCKS, QUANTIZE)
+        if TOKENS == 2:
+            acc_2 = _add_products(acc_2, values, w_exp, x_2, BLOCKS, QUANTIZE)
+    if TOKENS == 2:
+        return acc, acc_2
+    return acc, acc
 
 
 @triton.jit
-def _add_products(acc, raw, w_exp, x, BLOCKS: tl.constexpr, QUANTIZE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """``acc [TOKENS, rows, BLOCKS, 8]`` plus one step's products: ``raw [rows, BLOCKS, 8]`` weight words
-    (four e4m3 bytes each, expanded once for every token), ``w_exp [BLOCKS]`` their UE8M0 scale bytes,
-    ``x [TOKENS, BLOCKS, 32]`` the activation."""
-    scale = (w_exp.to(tl.int32) << 23).to(tl.float32, bitcast=True)[None, :]  # UE8M0 byte e -> 2**(e - 127)
+def _add_products(acc, values, w_exp, x, BLOCKS: tl.constexpr, QUANTIZE: tl.constexpr):
+    """``acc [rows, BLOCKS, 8]`` plus one step's products of one token: ``values`` the step's weight words
+    ``[rows, BLOCKS, 8]`` expanded to their four e4m3 values (``e4m3_words_to_f32``: once for every
+    token), ``w_exp [BLOCKS]`` their UE8M0 scale bytes, ``x [BLOCKS, 32]`` the token's activation."""
+    scale = (w_exp.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # UE8M0 byte e -> 2**(e - 127)
     a = x.to(tl.float32)
     if QUANTIZE:
         a, a_scale = quantize_blocks(a)
         scale = a_scale * scale
     # the block's scales go onto the activation (a power of two: exact), so every product is
     # exact and the sum runs over the whole K without a reduction per block
-    TOKENS: tl.constexpr = x.shape[0]
-    a = tl.reshape(a * scale[:, :, None], (TOKENS, BLOCKS, 8, 2, 2))  # [token, block, word, byte // 2, byte % 2]
+    a = tl.reshape(a * scale[:, None], (BLOCKS, 8, 2, 2))  # [block, word, byte // 2, byte % 2]
     a_even, a_odd = tl.split(a)
     a0, a2 = tl.split(a_even)
     a1, a3 = tl.split(a_odd)
-    w0, w1, w2, w3 = e4m3_words_to_f32(raw, INTERPRETED)
-    acc += w0[None, :, :, :] * a0[:, None, :, :]
-    acc += w1[None, :, :, :] * a1[:, None, :, :]
-    acc += w2[None, :, :, :] * a2[:, None, :, :]
-    acc += w3[None, :, :, :] * a3[:, None, :, :]
+    w0, w1, w2, w3 = values
+    acc += w0 * a0[None, :, :]
+    acc += w1 * a1[None, :, :]
+    acc += w2 * a2[None, :, :]
+    acc += w3 * a3[None, :, :]
     return acc
 
 
@@ -263,10 +290,9 @@ def fp8_gemv(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor
     w_desc, w2_desc = (_descriptor(w, cfg), _descriptor(w2, cfg)) if ring else (w, w2)
     tiles = triton.cdiv(n, cfg.block_w) + triton.cdiv(n2, cfg.block_w)
     _fp8_gemv_kernel[(tiles, splits, groups)](
-        x, w, s, w2, s2, w_desc, w2_desc, out, partials, split_counters(x.device, tiles * groups), m, n, n2, k,
-        x.stride(0), k_per_split, splits, m * width, width, TOKENS=triton.next_power_of_2(m), BLOCK_W=cfg.block_w,
-        BLOCK_K=cfg.block_k, RING=ring, QUANTIZE=quantize, PARTIAL=splits > 1, INTERPRETED=INTERPRETED,
-        num_warps=cfg.num_warps,
+        x, w, s, w2, s2, w_desc, w2_desc, out, partials, split_counters(x.device, tiles * groups), n, n2, k,
+        k_per_split, splits, m * width, x.stride(0), width, TOKENS=m, BLOCK_W=cfg.block_w, BLOCK_K=cfg.block_k,
+        RING=ring, QUANTIZE=quantize, PARTIAL=splits > 1, INTERPRETED=INTERPRETED, num_warps=cfg.num_warps,
         **launch_arguments(pdl, x.device))
     return out
 
