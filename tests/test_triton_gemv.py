@@ -135,6 +135,31 @@ def test_backend_runs_two_projections_of_one_token_together(monkeypatch):
                 assert got.shape == alone.shape and torch.equal(got, alone)
 
 
+def test_backend_sends_two_tokens_to_the_vector_kernel_below_the_tensor_cores(monkeypatch):
+    """With ``tile_configs.MMA_GEMV_MIN_TOKENS`` above two, two tokens' FP8 products take ``triton_gemv``
+    (two projections of them in one launch, the grouped ``wo_a`` too), each row with its one-token bits."""
+    from model.kernels.triton_backend import TritonKernels
+
+    _config(monkeypatch, 16, 128, 1)
+    monkeypatch.setattr(tile_configs, "MMA_GEMV_MIN_TOKENS", 3)
+    gen = torch.Generator().manual_seed(8)
+    weights = [random_weight(WeightFormat.FP8, n, 256, gen).to(device()) for n in (64, 96)]
+    grouped = random_weight(WeightFormat.FP8, 3 * 64, 256, gen).to(device())
+    x = torch.randn(2, 256, generator=gen).bfloat16().to(device())
+    xg = torch.randn(2, 3, 256, generator=gen).bfloat16().to(device())
+    launches = []
+    real = triton_gemv.fp8_gemv
+    monkeypatch.setattr(triton_gemv, "fp8_gemv", lambda *a, **kw: launches.append(a[0].shape[0]) or real(*a, **kw))
+    kernels = TritonKernels()
+    together = kernels.quantized_linears(x, weights)
+    groups = kernels.grouped_dequantized_linear(xg, grouped)
+    assert launches == [2, 2]
+    for row in range(2):
+        alone = kernels.quantized_linears(x[row:row + 1], weights)
+        assert all(torch.equal(got[row:row + 1], one) for got, one in zip(together, alone))
+        assert torch.equal(groups[row:row + 1], kernels.grouped_dequantized_linear(xg[row:row + 1], grouped))
+
+
 @pytest.mark.parametrize("case", ["one weight in splits", "two weights", "groups", "unaligned start"])
 def test_the_ring_in_shared_memory_gives_the_registers_bits(monkeypatch, case):
     """A config of more than one stage streams the weight through a ring of tiles in shared memory

@@ -72,7 +72,8 @@ class TritonKernels(KernelBackend):
     def _matrix_vector(self, m: int, *weights: QuantizedWeight):
         """The matrix-vector kernel that takes these FP8 weights' products of ``m`` tokens (outside the
         batch-invariant mode): ``triton_mma_gemv`` from ``tile_configs.MMA_GEMV_MIN_TOKENS`` to
-        ``MMA_GEMV_MAX_TOKENS`` tokens, ``triton_gemv`` at one; None: the decode or prefill form."""
+        ``MMA_GEMV_MAX_TOKENS`` tokens, ``triton_gemv`` below that (up to its ``MAX_TOKENS``); None: the decode
+        or prefill form."""
         if self.batch_invariant or m < 1 or not all(
                 w.fmt is WeightFormat.FP8 and triton_gemv.fits(w.values, w.scales) for w in weights):
             return None
