@@ -34,9 +34,9 @@ def parse_args(argv=None, description: str = ""):
     p.add_argument("--expert-rows", action="store_true",
                    help="keep the FP4 experts in the checkpoint's row layout (the kernels' other path)")
     p.add_argument("--tensor-core-tokens", default=None,
-                   help="FP8 products of 2 to this many tokens take the tensor-core matrix-vector kernel "
-                        "(triton_mma_gemv; 0: none; default: tile_configs.MMA_GEMV_MAX_TOKENS); LO-HI: from LO "
-                        "to HI tokens (1-8: one token too)")
+                   help="FP8 products of tile_configs.MMA_GEMV_MIN_TOKENS (3) to this many tokens take the tensor-core "
+                        "matrix-vector kernel (triton_mma_gemv; 0: none; default: tile_configs.MMA_GEMV_MAX_TOKENS); "
+                        "LO-HI: from LO to HI tokens (1-8: one and two tokens too)")
     p.add_argument("--tensor-core-experts", type=float, default=None,
                    help="routed experts with at most this many pairs per expert on average take the tensor-core "
                         "kernels fed from registers (triton_mma_experts; 0: none; default: "

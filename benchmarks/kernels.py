@@ -76,10 +76,10 @@ for bit: the experts' kernels are batch invariant), by
 overriding ``model.kernels.tile_configs`` tables for the duration of each measurement, and prints
 the best config per (kernel, M) and the best single config per M (``benchmarks/kernel_tune.py``).
 
-``--tensor-core-tokens N`` lets the FP8 products of ``tile_configs.MMA_GEMV_MIN_TOKENS`` (2) to N tokens
+``--tensor-core-tokens N`` lets the FP8 products of ``tile_configs.MMA_GEMV_MIN_TOKENS`` (3) to N tokens
 take ``triton_mma_gemv`` (the default N is ``tile_configs.MMA_GEMV_MAX_TOKENS``): the same run with 0 and
-8 compares it with the decode form; ``--tensor-core-tokens 1-8`` also gives it one token (against
-``triton_gemv``).
+8 compares it with the decode form; ``--tensor-core-tokens 1-8`` also gives it one and two tokens
+(against ``triton_gemv``).
 ``--tensor-core-experts X`` lets the routed experts of at most X pairs per expert on average take
 ``triton_mma_experts`` (default ``tile_configs.MMA_EXPERTS_MAX_PAIRS``); ``--kernels moe`` with 0 and 8
 compares the two at the decode sizes (uniform routing: 0.016 / 0.125 / 1 / 4 pairs per expert at

@@ -80,8 +80,9 @@ def test_layer_graph_calls_the_projections_of_one_input_together():
 
 
 def test_tensor_core_tokens_puts_the_few_token_products_on_the_tensor_core_kernel(monkeypatch, tmp_path):
-    """``--tensor-core-tokens N``: the run's FP8 products of 2 to N tokens take ``triton_mma_gemv``
-    (every result still checked against the reference); with 0, none does; ``1-8``: one token too."""
+    """``--tensor-core-tokens N``: the run's FP8 products of ``MMA_GEMV_MIN_TOKENS`` (3) to N tokens take
+    ``triton_mma_gemv`` (every result still checked against the reference); with 0, none does; ``1-8``:
+    one and two tokens too."""
     import benchmarks.kernels as script
     from model.kernels import tile_configs, triton_mma_gemv
 
@@ -90,14 +91,14 @@ def test_tensor_core_tokens_puts_the_few_token_products_on_the_tensor_core_kerne
     monkeypatch.setattr(triton_mma_gemv, "fp8_mma_gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     for switch in ("MMA_GEMV_MIN_TOKENS", "MMA_GEMV_MAX_TOKENS"):
         monkeypatch.setattr(tile_configs, switch, getattr(tile_configs, switch))  # restored after
-    common = ["--device", "cpu", "--tiny", "--quick", "--kernels", "wkv", "--no-reference", "--m", "1,2"]
+    common = ["--device", "cpu", "--tiny", "--quick", "--kernels", "wkv", "--no-reference", "--m", "1,3"]
     assert script.main(common + ["--tensor-core-tokens", "0", "--json", str(tmp_path / "off.json")]) == 0
     assert calls == []
     assert script.main(common + ["--tensor-core-tokens", "8", "--json", str(tmp_path / "on.json")]) == 0
-    assert calls and set(calls) == {2}
+    assert calls and set(calls) == {3}
     calls.clear()
     assert script.main(common + ["--tensor-core-tokens", "1-8", "--json", str(tmp_path / "one.json")]) == 0
-    assert calls and set(calls) == {1, 2}
+    assert calls and set(calls) == {1, 3}
     doc = json.loads((tmp_path / "on.json").read_text())
     assert doc["error"] is None and all(r["rel_err"] <= 1e-2 for r in doc["results"])
 

@@ -100,15 +100,16 @@ def _chain_outputs(kernels, x: torch.Tensor, weights) -> list[torch.Tensor]:
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("tokens", [1, 2, 8])  # triton_gemv; triton_mma_gemv
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8])  # triton_gemv (one or two rows); triton_mma_gemv
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 def test_chained_products_give_the_same_bits_with_dependent_launch(tokens, graph):
     from benchmarks.kernel_inputs import fp8_weight  # outputs of about the inputs' magnitude
-    from model.kernels import tile_configs
+    from model.kernels import tile_configs, triton_gemv
     from model.kernels.triton_backend import TritonKernels
 
-    if not tile_configs.MMA_GEMV_MIN_TOKENS <= tokens <= tile_configs.MMA_GEMV_MAX_TOKENS and tokens > 1:
-        pytest.skip("the tensor-core matrix-vector kernel does not take this many tokens")
+    if not tile_configs.MMA_GEMV_MIN_TOKENS <= tokens <= tile_configs.MMA_GEMV_MAX_TOKENS \
+            and tokens > triton_gemv.MAX_TOKENS:
+        pytest.skip("neither matrix-vector kernel takes this many tokens")
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     # wide and narrow products, K split many ways (the split counters) and not at all
     sizes = [5120, 512, 5120, 1280, 8192, 5120, 2304, 5120]

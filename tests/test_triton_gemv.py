@@ -113,23 +113,23 @@ def test_a_launch_takes_the_config_of_its_shape(monkeypatch):
 
 
 def test_backend_runs_two_projections_of_one_token_together(monkeypatch):
-    """``quantized_linears`` at one token: one launch for both, the same values as one by one; at two
-    tokens, and in the batch-invariant mode, the one-by-one products themselves."""
+    """``quantized_linears`` at one and two tokens: one launch for both, the same values as one by one; at
+    three tokens (another kernel), and in the batch-invariant mode, the one-by-one products themselves."""
     from model.kernels.triton_backend import TritonKernels
 
     _config(monkeypatch, 16, 128, 1)
     gen = torch.Generator().manual_seed(5)
     weights = [random_weight(WeightFormat.FP8, n, 256, gen).to(device()) for n in (64, 96)]
-    x = torch.randn(2, 256, generator=gen).bfloat16().to(device())
+    x = torch.randn(3, 256, generator=gen).bfloat16().to(device())
     launches = []
     real = triton_gemv.fp8_gemv
     monkeypatch.setattr(triton_gemv, "fp8_gemv", lambda *a, **kw: launches.append(len(a[1])) or real(*a, **kw))
     for kernels in (TritonKernels(), TritonKernels(batch_invariant=True)):
-        for rows in (x[:1], x):
+        for rows in (x[:1], x[:2], x):
             launches.clear()
             together = kernels.quantized_linears(rows, weights)
             one_by_one = [kernels.quantized_linear(rows, w) for w in weights]
-            vector_form = rows.shape[0] == 1 and not kernels.batch_invariant
+            vector_form = rows.shape[0] <= triton_gemv.MAX_TOKENS and not kernels.batch_invariant
             assert launches == ([2, 1, 1] if vector_form else []), launches
             for got, alone in zip(together, one_by_one):  # K's two steps split in two, together or alone
                 assert got.shape == alone.shape and torch.equal(got, alone)

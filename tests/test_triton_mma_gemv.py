@@ -108,10 +108,11 @@ def test_grouped_unquantized_matches_reference(monkeypatch, m):
 
 
 def test_backend_takes_it_from_two_tokens_up_to_its_token_count(monkeypatch):
-    """The backend's products of ``MMA_GEMV_MIN_TOKENS`` (2) to ``MMA_GEMV_MAX_TOKENS`` tokens (one
-    weight, a pair, the grouped ``wo_a``) take this kernel, equal to calling it directly; one token
-    keeps ``triton_gemv`` (faster there on one H200); above the maximum, in the batch-invariant mode,
-    and with the maximum at 0, the other forms."""
+    """The backend's products of ``MMA_GEMV_MIN_TOKENS`` (3) to ``MMA_GEMV_MAX_TOKENS`` tokens (one
+    weight, a pair, the grouped ``wo_a``) take this kernel, equal to calling it directly; one and two
+    tokens keep ``triton_gemv`` (faster there: docs/benchmarks.md), and with the minimum lowered to 2 two
+    tokens take it too; above the maximum, in the batch-invariant mode, and with the maximum at 0, the
+    other forms."""
     from model.kernels.triton_backend import TritonKernels
 
     _config(monkeypatch, 2, 4)
@@ -123,8 +124,11 @@ def test_backend_takes_it_from_two_tokens_up_to_its_token_count(monkeypatch):
     real = triton_mma_gemv.fp8_mma_gemv
     monkeypatch.setattr(triton_mma_gemv, "fp8_mma_gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     # the measured bounds (docs/benchmarks.md)
-    assert (tile_configs.MMA_GEMV_MIN_TOKENS, tile_configs.MMA_GEMV_MAX_TOKENS) == (2, 8)
+    assert (tile_configs.MMA_GEMV_MIN_TOKENS, tile_configs.MMA_GEMV_MAX_TOKENS) == (3, 8)
     kernels = TritonKernels()
+    kernels.quantized_linear(x[:2], weights[0])  # two tokens: triton_gemv
+    assert calls == []
+    monkeypatch.setattr(tile_configs, "MMA_GEMV_MIN_TOKENS", 2)  # (what --tensor-core-tokens 2-8 sets)
     monkeypatch.setattr(tile_configs, "MMA_GEMV_MAX_TOKENS", 0)
     kernels.quantized_linear(x[:2], weights[0])
     monkeypatch.setattr(tile_configs, "MMA_GEMV_MAX_TOKENS", 3)

@@ -113,7 +113,7 @@ def fp8_decode_config(m: int) -> DecodeConfig:
     return _pick(_FP8_DECODE_TABLE, m)
 
 
-# (largest M, config): ``triton_gemv`` (one token on the CUDA cores). ``block_w`` divides 32 (a
+# (largest M, config): ``triton_gemv`` (one or two tokens on the CUDA cores). ``block_w`` divides 32 (a
 # program's rows share one row of the weight's 32x32 scales), ``block_k`` is a step's columns,
 # ``num_stages`` 1: the weight loaded into registers one step ahead; 2 or more: streamed through a ring
 # of that many tiles in shared memory by the tensor memory accelerator. 32 rows x 512 columns, 4 warps,
@@ -121,9 +121,9 @@ def fp8_decode_config(m: int) -> DecodeConfig:
 # CUDA graph took 78.6 µs on one H100 (70% of its memory limit) against 86.9 for the registers' best
 # (32 x 128, 4 programs per SM), the other rings measured 80.4-109.7 (docs/benchmarks.md).
 # ``benchmarks/kernels.py --gemv-configs`` times the layer graph with given configs, ``--tune --m 1``
-# sweeps candidates per projection
+# sweeps candidates per projection. Two tokens take the same config (one H100: 85.4 µs for the layer, 64%)
 _GEMV_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
-    (2, DecodeConfig(32, 512, 4, 3, 1)),  # (two tokens: not the backend's default, see MMA_GEMV_MIN_TOKENS)
+    (2, DecodeConfig(32, 512, 4, 3, 1)),
 )
 
 # One launch's shape -> its config, looked up before the table above: ``(rows, K)``, ``rows`` the
@@ -151,8 +151,10 @@ def gemv_config(m: int, rows: int = 0, k: int = 0) -> DecodeConfig:
 # 98.9 us against ``triton_gemv``'s 74.2 us, so one token keeps ``triton_gemv``. Restructured (its first
 # step's weight loaded before the activation's preparation, steps of 1 / 2 / 4 blocks): 100.5 / 101.0 /
 # 119.9 us at 2 / 4 / 8 tokens; at one token 95.9 us against 74.1, and none of the sweep's 36 configs
-# beat ``triton_gemv`` on any projection
-MMA_GEMV_MIN_TOKENS = 2
+# beat ``triton_gemv`` on any projection. Once ``triton_gemv`` took two rows (each weight word expanded once
+# for both), two tokens left this kernel too: on one H100, with PDL, 85.4 µs against its 113.9 (88.0
+# against 116.8 without; ``--tensor-core-tokens 3-8`` against the default, docs/benchmarks.md)
+MMA_GEMV_MIN_TOKENS = 3
 MMA_GEMV_MAX_TOKENS = 8
 
 # (largest M, config): ``triton_mma_gemv``. ``block_w`` is the program's weight rows (32 per warp,

@@ -41,8 +41,8 @@ from .weights import ExpertWeights, QuantizedWeight
 
 class TritonKernels(KernelBackend):
     """``batch_invariant``: every product in its prefill form, whose rows never depend on M (see
-    ``triton_bf16_mm``); otherwise the FP8 products of one token take the matrix-vector form
-    (``triton_gemv``, two projections of one input in one launch), those of 2-8 tokens the tensor cores
+    ``triton_bf16_mm``); otherwise the FP8 products of one or two tokens take the matrix-vector form
+    (``triton_gemv``, two projections of one input in one launch), those of 3-8 tokens the tensor cores
     fed from registers (``triton_mma_gemv``: ``tile_configs.MMA_GEMV_MIN_TOKENS`` to ``MAX_TOKENS``) and
     the others of at most ``decode_mm.MAX_TOKENS`` rows the split-K decode form (``triton_decode_mm``);
     the routed experts of a step with up to ``tile_configs.MMA_EXPERTS_MAX_PAIRS`` pairs per expert take
