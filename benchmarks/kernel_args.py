@@ -48,7 +48,7 @@ def parse_args(argv=None, description: str = ""):
                    help="the Triton kernels with programmatic dependent launch (--enable-pdl); the layer graph "
                         "is then also timed without it")
     p.add_argument("--gemv-configs", default=None,
-                   help="also time the one-token layer graph with each of these triton_gemv configs, "
+                   help="also time the layer graph of each M that takes triton_gemv with each of these configs, "
                         "comma-separated, in the tile sweep's form (e.g. w32/k128/warps4/s1/pps4: 32 rows x "
                         "128 columns a step, 4 warps, the weight in registers (s1) or through a ring of that "
                         "many tiles in shared memory (s3, s4, ...), split-K until 4 programs per SM)")

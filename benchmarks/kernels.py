@@ -86,8 +86,9 @@ compares the two at the decode sizes (uniform routing: 0.016 / 0.125 / 1 / 4 pai
 M = 1 / 8 / 64 / 256).
 ``--unsorted-pairs N``: steps of at most N pairs skip those kernels' pair sort (default
 ``tile_configs.MMA_EXPERTS_UNSORTED_PAIRS``; 0 sorts every step).
-``--gemv-configs w32/k128/warps4/s1/pps4,w32/k512/warps4/s3/pps1,...`` times the one-token layer graph
-again with each of these ``triton_gemv`` configs (in the sweep's form: rows, columns a step, warps,
+``--gemv-configs w32/k128/warps4/s1/pps4,w32/k512/warps4/s3/pps1,...`` times the layer graph of each M
+that takes ``triton_gemv`` (one token; up to ``triton_gemv.MAX_TOKENS`` below ``--tensor-core-tokens``'s
+range) again with each of these configs (in the sweep's form: rows, columns a step, warps,
 stages: 1 the weight in registers, more a ring of tiles in shared memory, programs per SM), in the same
 run as the default. ``--tune-layer-gemv`` picks a config per launch of that graph
 (``benchmarks/layer_gemv_tune.py``). The command line is ``benchmarks/kernel_args.py``.
@@ -133,7 +134,7 @@ tile_configs = None
 QuantizedWeight = ExpertWeights = WeightFormat = TileConfig = None
 ReferenceKernels = TritonKernels = None
 GAINS: dict[str, float] = {}
-DECODE_FORM_MAX_M = 0
+DECODE_FORM_MAX_M = GEMV_MAX_M = 0
 
 
 def capture_on_this_stream(fn) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -148,10 +149,11 @@ def capture_on_this_stream(fn) -> tuple[torch.cuda.CUDAGraph, object]:
 
 def _import_kernels() -> None:
     global triton, tile_configs, QuantizedWeight, ExpertWeights, WeightFormat, TileConfig
-    global ReferenceKernels, TritonKernels, GAINS, DECODE_FORM_MAX_M
+    global ReferenceKernels, TritonKernels, GAINS, DECODE_FORM_MAX_M, GEMV_MAX_M
     import triton as _triton
 
     from model.kernels.triton_decode_mm import MAX_TOKENS
+    from model.kernels.triton_gemv import MAX_TOKENS as GEMV_MAX_TOKENS
 
     from model import checkpoint_maker
     from model.config import WeightFormat as _WeightFormat
@@ -162,7 +164,7 @@ def _import_kernels() -> None:
     from model.kernels.weights import QuantizedWeight as _QuantizedWeight
 
     triton, tile_configs = _triton, _tile_configs
-    DECODE_FORM_MAX_M = MAX_TOKENS
+    DECODE_FORM_MAX_M, GEMV_MAX_M = MAX_TOKENS, GEMV_MAX_TOKENS
     QuantizedWeight, ExpertWeights, WeightFormat = _QuantizedWeight, _ExpertWeights, _WeightFormat
     TileConfig = _tile_configs.TileConfig
     ReferenceKernels, TritonKernels = _ReferenceKernels, _TritonKernels
@@ -497,7 +499,8 @@ def main(argv=None) -> int:
                     log(f"layer FP8 linears M={m}: graph {us(entry['graph_s'])} us, sum {us(entry['sum_s'])} us, "
                         f"memory limit {us(entry['mem_limit_s'])} us -> {entry['pct_mem_limit']:.0%}"
                         + (f"; without PDL {us(entry['graph_without_pdl_s'])} us" if args.pdl else ""))
-                    if m == 1:  # the one-token products' (triton_gemv's) configs, each in the same graph
+                    if m < tile_configs.MMA_GEMV_MIN_TOKENS and m <= GEMV_MAX_M:
+                        # the products' configs on triton_gemv (one or a few tokens), each in the same graph
                         entry["gemv_configs"] = {}
                         for fields in args.gemv_configs:
                             with override_tables(gemv=tile_configs.DecodeConfig(**fields)):
@@ -505,7 +508,7 @@ def main(argv=None) -> int:
                             entry["gemv_configs"][cfg_text(fields)] = graph_s
                             log(f"layer FP8 linears M={m} with triton_gemv {cfg_text(fields)}: graph "
                                 f"{us(graph_s)} us -> {entry['mem_limit_s'] / graph_s:.0%}")
-                        if args.tune_layer_gemv:
+                        if args.tune_layer_gemv and m == 1:
                             entry["gemv_launches"] = run_layer_gemv_tune(bench)
         if args.tune:
             run_tune(bench, args.ms)

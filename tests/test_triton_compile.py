@@ -258,15 +258,24 @@ def main() -> int:
     def streamed_by_tma(kernel) -> list[str]:
         return [] if "UTMALDG" in kernel.asm["sass"] else ["no tensor-memory-accelerator load"]
 
-    # the tables' configs (by M, by a launch's shape) and the one of weights the accelerator cannot stream
-    gemv_configs = [cfg for _, cfg in tile_configs._GEMV_TABLE] + list(tile_configs._GEMV_BY_SHAPE.values())
-    for cfg in dict.fromkeys(gemv_configs + [tile_configs.GEMV_IN_REGISTERS]):
+    # the tables' configs (by M, with the token counts each takes; by a launch's shape, at one token) and
+    # the one of weights the accelerator cannot stream (any token count)
+    gemv_configs, fewer = {}, 0
+    for bound, cfg in tile_configs._GEMV_TABLE:
+        gemv_configs.setdefault(cfg, set()).update(range(fewer + 1, min(bound, triton_gemv.MAX_TOKENS) + 1))
+        fewer = bound
+    for cfg in tile_configs._GEMV_BY_SHAPE.values():
+        gemv_configs.setdefault(cfg, set()).add(1)
+    gemv_configs.setdefault(tile_configs.GEMV_IN_REGISTERS, set()).update(range(1, triton_gemv.MAX_TOKENS + 1))
+    # (quantize, partial, pdl): the FP8 linears, then wo_a
+    one_token = [(True, True, False), (True, False, False), (False, True, False), (True, True, True), (False, False, True)]
+    more_tokens = [(True, True, False), (True, False, False), (False, True, True)]
+    for cfg, token_counts in gemv_configs.items():
         ring = cfg.num_stages if cfg.num_stages > 1 else 0
         weight = f"tensordesc<i32[{cfg.block_w}, {cfg.block_k // 4}]>" if ring else "*u8"
-        for tokens, quantize, partial, pdl in ((1, True, True, False), (1, True, False, False),
-                                               (1, False, True, False), (1, True, True, True), (1, False, False, True),
-                                               (2, True, True, False), (2, True, False, False),
-                                               (2, False, True, True)):  # FP8 linears; wo_a
+        variants = [(tokens, *flags) for tokens in sorted(token_counts)
+                    for flags in (one_token if tokens == 1 else more_tokens)]
+        for tokens, quantize, partial, pdl in variants:
             check(f"fp8_gemv tokens={tokens} quantize={quantize} partial={partial} {cfg}",
                   triton_gemv._fp8_gemv_kernel,
                   {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "w2_ptr": "*u8", "s2_ptr": "*u8",

@@ -114,13 +114,13 @@ def test_a_launch_takes_the_config_of_its_shape(monkeypatch):
 
 def test_backend_runs_two_projections_of_one_token_together(monkeypatch):
     """``quantized_linears`` at one and two tokens: one launch for both, the same values as one by one; at
-    three tokens (another kernel), and in the batch-invariant mode, the one-by-one products themselves."""
+    nine tokens (the decode form), and in the batch-invariant mode, the one-by-one products themselves."""
     from model.kernels.triton_backend import TritonKernels
 
     _config(monkeypatch, 16, 128, 1)
     gen = torch.Generator().manual_seed(5)
     weights = [random_weight(WeightFormat.FP8, n, 256, gen).to(device()) for n in (64, 96)]
-    x = torch.randn(3, 256, generator=gen).bfloat16().to(device())
+    x = torch.randn(9, 256, generator=gen).bfloat16().to(device())
     launches = []
     real = triton_gemv.fp8_gemv
     monkeypatch.setattr(triton_gemv, "fp8_gemv", lambda *a, **kw: launches.append(len(a[1])) or real(*a, **kw))
@@ -129,7 +129,7 @@ def test_backend_runs_two_projections_of_one_token_together(monkeypatch):
             launches.clear()
             together = kernels.quantized_linears(rows, weights)
             one_by_one = [kernels.quantized_linear(rows, w) for w in weights]
-            vector_form = rows.shape[0] <= triton_gemv.MAX_TOKENS and not kernels.batch_invariant
+            vector_form = rows.shape[0] <= 2 and not kernels.batch_invariant
             assert launches == ([2, 1, 1] if vector_form else []), launches
             for got, alone in zip(together, one_by_one):  # K's two steps split in two, together or alone
                 assert got.shape == alone.shape and torch.equal(got, alone)
@@ -192,10 +192,12 @@ def test_the_ring_in_shared_memory_gives_the_registers_bits(monkeypatch, case):
 
 
 @pytest.mark.parametrize("case", ["one weight in splits", "two weights", "groups", "ring"])
-def test_two_tokens_give_each_token_its_one_token_bits(monkeypatch, case):
-    """Two rows in one launch: each weight value is expanded once and multiplied by both rows, each
-    row keeping its own sums in the one-token order, so every row has the bits it has alone (and so
-    meets the reference's bound), with K in splits or not, two weights, groups, the ring or registers."""
+def test_more_tokens_give_each_token_its_one_token_bits(monkeypatch, case):
+    """Rows in one launch (as many as it takes): each weight value is expanded once and multiplied by
+    every row, each row keeping its own sums in the one-token order, so every row has the bits it has
+    alone (and so meets the reference's bound), with K in splits or not, two weights, groups, the ring or
+    registers."""
+    tokens = triton_gemv.MAX_TOKENS
     gen = torch.Generator().manual_seed(20 + len(case))
     groups = 3 if case == "groups" else 1
     k = 640
@@ -203,17 +205,17 @@ def test_two_tokens_give_each_token_its_one_token_bits(monkeypatch, case):
     weights = [random_weight(WeightFormat.FP8, n, k, gen).to(device()) for n in shapes]
     pairs = [(w.values, w.scales) for w in weights]
     _config(monkeypatch, 16, 128, 4 if case != "two weights" else 1, max_splits=3, stages=3 if case == "ring" else 1)
-    x = (torch.randn(2, groups * k, generator=gen) * 3).bfloat16().to(device())
+    x = (torch.randn(tokens, groups * k, generator=gen) * 3).bfloat16().to(device())
     quantize = case != "groups"
-    both = fp8_gemv(x, pairs, quantize=quantize, groups=groups)
-    assert both.shape == (2, sum(shapes))
-    for row in range(2):
-        assert torch.equal(both[row:row + 1], fp8_gemv(x[row:row + 1], pairs, quantize=quantize, groups=groups))
+    every = fp8_gemv(x, pairs, quantize=quantize, groups=groups)
+    assert every.shape == (tokens, sum(shapes))
+    for row in range(tokens):
+        assert torch.equal(every[row:row + 1], fp8_gemv(x[row:row + 1], pairs, quantize=quantize, groups=groups))
     if quantize:
-        assert_close_to_reference(both[:, :shapes[0]].cpu(), REFERENCE.quantized_linear(x.cpu(), weights[0].to("cpu")))
+        assert_close_to_reference(every[:, :shapes[0]].cpu(), REFERENCE.quantized_linear(x.cpu(), weights[0].to("cpu")))
     else:
-        ref = REFERENCE.grouped_dequantized_linear(x.view(2, groups, k).cpu(), weights[0].to("cpu"))
-        assert_close_to_reference(both.view(2, groups, 64).cpu(), ref)
+        ref = REFERENCE.grouped_dequantized_linear(x.view(tokens, groups, k).cpu(), weights[0].to("cpu"))
+        assert_close_to_reference(every.view(tokens, groups, 64).cpu(), ref)
     assert not any(counters.any() for counters in triton_split_sums._counters.values())
 
 

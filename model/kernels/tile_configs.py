@@ -121,13 +121,14 @@ def fp8_decode_config(m: int) -> DecodeConfig:
 # CUDA graph took 78.6 µs on one H100 (70% of its memory limit) against 86.9 for the registers' best
 # (32 x 128, 4 programs per SM), the other rings measured 80.4-109.7 (docs/benchmarks.md).
 # ``benchmarks/kernels.py --gemv-configs`` times the layer graph with given configs, ``--tune --m 1``
-# sweeps candidates per projection. Two tokens take the same config (one H100: 85.4 µs for the layer, 64%)
+# sweeps candidates per projection. Two tokens take the same config (one H100: 85.4 µs for the layer, 64%;
+# 256-column steps 88.3 µs)
 _GEMV_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
     (2, DecodeConfig(32, 512, 4, 3, 1)),
 )
 
-# One launch's shape -> its config, looked up before the table above: ``(rows, K)``, ``rows`` the
-# launch's output rows (a grouped weight's groups x N, plus a second weight's N).
+# One launch's shape -> its config at one token, looked up before the table above: ``(rows, K)``, ``rows``
+# the launch's output rows (a grouped weight's groups x N, plus a second weight's N).
 # ``benchmarks/kernels.py --tune-layer-gemv`` times each launch of a V4.1-Flash layer's one-token graph
 # alone under 42 ring candidates, then the layer graph with each launch's best. On one H100 the table's
 # config was the best or within 0.2 µs for all six launches (the graph 78.5 against 78.7 µs: noise),
@@ -141,7 +142,7 @@ GEMV_IN_REGISTERS = DecodeConfig(32, 128, 4, 1, 4)
 
 def gemv_config(m: int, rows: int = 0, k: int = 0) -> DecodeConfig:
     """``triton_gemv``'s config for ``m`` tokens times ``rows`` output rows of K = ``k`` (one launch)."""
-    return _GEMV_BY_SHAPE.get((rows, k)) or _pick(_GEMV_TABLE, m)
+    return (_GEMV_BY_SHAPE.get((rows, k)) if m == 1 else None) or _pick(_GEMV_TABLE, m)
 
 
 # The FP8 products of MMA_GEMV_MIN_TOKENS to MMA_GEMV_MAX_TOKENS tokens take ``triton_mma_gemv`` (the tensor

@@ -51,10 +51,10 @@ K is split so that enough programs stream the weight (``split_count``); the last
 tile to arrive adds the tile's fp32 partials in split order and rounds once (``triton_split_sums``:
 the same bits whichever program comes last), so a product is one launch.
 Two rows (``TOKENS`` = 2) read the same weight bytes: each step's words are expanded once and multiplied
-into a second set of sums, so the second token costs the products, not the stream (on one H100 a layer's
-nine projections took 85.4 µs at two tokens, 75.4 at one, 113.9 on the tensor cores' ``triton_mma_gemv``).
-Each row's sums run in the one-row order, so a row gets its one-token bits (tested); one row compiles to
-the code it had before the second existed.
+into each row's own sums (a tuple of sums per row), so the second token costs its products, not the
+stream (on one H100 a layer's nine projections took 85.4 µs at two tokens, 75.4 at one, 113.9 on the
+tensor cores' ``triton_mma_gemv``). Each row's sums run in the one-row order, so a row gets its one-token
+bits (tested); one row compiles to the code it had before there were more.
 Not batch invariant (the split depends on the shape): used only outside ``--batch-invariant``, like
 ``triton_decode_mm``.
 """
@@ -76,7 +76,11 @@ from .triton_dependent_launch import fetch_into_l2, launch_arguments, let_next_k
 from .triton_split_sums import last_to_arrive, reset_counter, split_counters, sum_partials
 from .triton_weight_tiles import e4m3_words_to_f32
 
-MAX_TOKENS = 2  # rows it takes: each weight value expanded once for both, each row with sums of its own
+# rows it takes: each weight value expanded once for all, each row with sums of its own. At three and four
+# (256-column steps, so that the sums fit the registers) the tensor cores' triton_mma_gemv was as fast or
+# faster on one H100: the layer's projections 116.2 / 129.4 µs against 117.0 / 118.5 without PDL (with it
+# 105.5 / 121.7 against 121.6 / 123.8; docs/benchmarks.md)
+MAX_TOKENS = 2
 
 
 @triton.jit
@@ -97,8 +101,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, w_desc, w2_desc, out_p
     k_begin = split * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     if RING == 0:
-        acc, acc_2 = _sums_from_registers(weights + first_row * K, scales, x_ptr, stride_x, rows, K, k_begin, k_end,
-                                          TOKENS, BLOCK_W, BLOCK_K, QUANTIZE, PDL, INTERPRETED)
+        sums = _sums_from_registers(weights + first_row * K, scales, x_ptr, stride_x, rows, K, k_begin, k_end, TOKENS,
+                                    BLOCK_W, BLOCK_K, QUANTIZE, PDL, INTERPRETED)
     else:
         # with PDL: the ring's first steps are fetched into L2 while the previous kernel finishes, and the
         # next kernel starts only once this one's weight is streamed (its programs, which fetch and
@@ -108,74 +112,57 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, w_desc, w2_desc, out_p
         wait_for_previous_kernel(PDL)
         # (a descriptor cannot be chosen at run time: each weight has its loop)
         if pid_w < tiles:
-            acc, acc_2 = _sums_from_ring(w_desc, first_row + tile * BLOCK_W, scales, x_ptr, stride_x, k_begin, k_end,
-                                         TOKENS, BLOCK_W, BLOCK_K, RING, QUANTIZE, INTERPRETED)
+            sums = _sums_from_ring(w_desc, first_row + tile * BLOCK_W, scales, x_ptr, stride_x, k_begin, k_end,
+                                   TOKENS, BLOCK_W, BLOCK_K, RING, QUANTIZE, INTERPRETED)
         else:
-            acc, acc_2 = _sums_from_ring(w2_desc, first_row + tile * BLOCK_W, scales, x_ptr, stride_x, k_begin,
-                                         k_end, TOKENS, BLOCK_W, BLOCK_K, RING, QUANTIZE, INTERPRETED)
+            sums = _sums_from_ring(w2_desc, first_row + tile * BLOCK_W, scales, x_ptr, stride_x, k_begin, k_end,
+                                   TOKENS, BLOCK_W, BLOCK_K, RING, QUANTIZE, INTERPRETED)
         let_next_kernel_start(PDL)
-    acc = tl.sum(tl.sum(acc, axis=2), axis=1)
     columns = first_col + rows  # every row exists: N and N2 are whole 32-row blocks
-    if TOKENS == 2:  # the second token's outputs (and partials) one output row further
-        acc_2 = tl.sum(tl.sum(acc_2, axis=2), axis=1)
+    for t in tl.static_range(TOKENS):  # token t's outputs (and partials) t output rows further
+        acc = tl.sum(tl.sum(sums[t], axis=2), axis=1)
+        if PARTIAL:
+            tl.store(part_ptr + split * stride_os + t * width + columns, acc)
+        else:
+            tl.store(out_ptr + t * width + columns, to_bf16(acc, INTERPRETED))
     if PARTIAL:
-        tl.store(part_ptr + split * stride_os + columns, acc)
-        if TOKENS == 2:
-            tl.store(part_ptr + split * stride_os + width + columns, acc_2)
         counter_ptr += group * tiles + pid_w
         if last_to_arrive(counter_ptr, splits):
             every_column = columns >= 0  # (no mask needed: every row exists)
-            total = sum_partials(part_ptr + columns, splits, stride_os, every_column)
-            tl.store(out_ptr + columns, to_bf16(total, INTERPRETED))
-            if TOKENS == 2:
-                total = sum_partials(part_ptr + width + columns, splits, stride_os, every_column)
-                tl.store(out_ptr + width + columns, to_bf16(total, INTERPRETED))
+            for t in tl.static_range(TOKENS):
+                total = sum_partials(part_ptr + t * width + columns, splits, stride_os, every_column)
+                tl.store(out_ptr + t * width + columns, to_bf16(total, INTERPRETED))
             reset_counter(counter_ptr)
-    else:
-        tl.store(out_ptr + columns, to_bf16(acc, INTERPRETED))
-        if TOKENS == 2:
-            tl.store(out_ptr + width + columns, to_bf16(acc_2, INTERPRETED))
 
 
 @triton.jit
 def _sums_from_registers(weights, scales, x_ptr, stride_x, rows, K, k_begin, k_end, TOKENS: tl.constexpr,
                          BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, QUANTIZE: tl.constexpr, PDL: tl.constexpr,
                          INTERPRETED: tl.constexpr):
-    """The sums per word position of rows ``rows`` over columns ``k_begin..k_end``, the first token's and
-    (``TOKENS`` = 2) the second's (the first's again at one token), the weight loaded
-    straight into registers one step ahead of its use (the last step reloads its own), so a step's
-    latency overlaps the previous step's arithmetic (two steps ahead measured slower on one H200). The
-    first step's weight needs nothing from earlier kernels: it is loaded before the wait."""
+    """Each token's sums per word position of rows ``rows`` over columns ``k_begin..k_end`` (a tuple of
+    ``TOKENS``), the weight loaded straight into registers one step ahead of its use (the last step
+    reloads its own), so a step's latency overlaps the previous step's arithmetic (two steps ahead
+    measured slower on one H200). The first step's weight needs nothing from earlier kernels: it is
+    loaded before the wait."""
     BLOCKS: tl.constexpr = BLOCK_K // 32
     blocks = tl.arange(0, BLOCKS)
     cols = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]  # [BLOCKS, 32]: a step's columns by scale block
     words = blocks[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BLOCKS, 8]: a step's weight words (4 bytes each)
     w_ptrs = weights.to(tl.pointer_type(tl.int32), bitcast=True) + rows[:, None, None] * (K // 4) + words[None, :, :]
-    acc = tl.zeros((BLOCK_W, BLOCKS, 8), dtype=tl.float32)  # one sum per word position
+    sums = _zero_sums(TOKENS, BLOCK_W, BLOCKS)
     raw_next = tl.load(w_ptrs + k_begin // 4)
     w_exp_next = tl.load(scales + k_begin // 32 + blocks)
     wait_for_previous_kernel(PDL)
     let_next_kernel_start(PDL)
-    x_next = tl.load(x_ptr + k_begin + cols)
-    if TOKENS == 2:
-        acc_2 = tl.zeros((BLOCK_W, BLOCKS, 8), dtype=tl.float32)
-        x_2_next = tl.load(x_ptr + stride_x + k_begin + cols)
+    x_next = _token_rows(x_ptr + k_begin, stride_x, cols, TOKENS)
     for k0 in range(k_begin, k_end, BLOCK_K):
         raw, w_exp, x = raw_next, w_exp_next, x_next
         following = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K)
         raw_next = tl.load(w_ptrs + following // 4)
         w_exp_next = tl.load(scales + following // 32 + blocks)
-        x_next = tl.load(x_ptr + following + cols)
-        if TOKENS == 2:
-            x_2 = x_2_next
-            x_2_next = tl.load(x_ptr + stride_x + following + cols)
-        values = e4m3_words_to_f32(raw, INTERPRETED)  # (the four values of each word)
-        acc = _add_products(acc, values, w_exp, x, BLOCKS, QUANTIZE)
-        if TOKENS == 2:
-            acc_2 = _add_products(acc_2, values, w_exp, x_2, BLOCKS, QUANTIZE)
-    if TOKENS == 2:
-        return acc, acc_2
-    return acc, acc
+        x_next = _token_rows(x_ptr + following, stride_x, cols, TOKENS)
+        sums = _add_step(sums, e4m3_words_to_f32(raw, INTERPRETED), w_exp, x, BLOCKS, QUANTIZE)
+    return sums
 
 
 @triton.jit
@@ -205,28 +192,46 @@ def _sums_from_ring(desc, first_row, scales, x_ptr, stride_x, k_begin, k_end, TO
     BLOCKS: tl.constexpr = BLOCK_K // 32
     blocks = tl.arange(0, BLOCKS)
     cols = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]
-    acc = tl.zeros((BLOCK_W, BLOCKS, 8), dtype=tl.float32)
+    sums = _zero_sums(TOKENS, BLOCK_W, BLOCKS)
     w_exp_next = tl.load(scales + k_begin // 32 + blocks)
-    x_next = tl.load(x_ptr + k_begin + cols)
-    if TOKENS == 2:
-        acc_2 = tl.zeros((BLOCK_W, BLOCKS, 8), dtype=tl.float32)
-        x_2_next = tl.load(x_ptr + stride_x + k_begin + cols)
+    x_next = _token_rows(x_ptr + k_begin, stride_x, cols, TOKENS)
     for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=RING):
         raw = tl.reshape(desc.load([first_row, k0 // 4]), (BLOCK_W, BLOCKS, 8))
         w_exp, x = w_exp_next, x_next
         following = tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K)
         w_exp_next = tl.load(scales + following // 32 + blocks)
-        x_next = tl.load(x_ptr + following + cols)
-        if TOKENS == 2:
-            x_2 = x_2_next
-            x_2_next = tl.load(x_ptr + stride_x + following + cols)
-        values = e4m3_words_to_f32(raw, INTERPRETED)  # (the four values of each word)
-        acc = _add_products(acc, values, w_exp, x, BLOCKS, QUANTIZE)
-        if TOKENS == 2:
-            acc_2 = _add_products(acc_2, values, w_exp, x_2, BLOCKS, QUANTIZE)
-    if TOKENS == 2:
-        return acc, acc_2
-    return acc, acc
+        x_next = _token_rows(x_ptr + following, stride_x, cols, TOKENS)
+        sums = _add_step(sums, e4m3_words_to_f32(raw, INTERPRETED), w_exp, x, BLOCKS, QUANTIZE)
+    return sums
+
+
+@triton.jit
+def _zero_sums(TOKENS: tl.constexpr, BLOCK_W: tl.constexpr, BLOCKS: tl.constexpr):
+    """One token's sums ``[BLOCK_W, BLOCKS, 8]`` (one per word position) per token: a tuple of ``TOKENS``."""
+    sums = ()
+    for _ in tl.static_range(TOKENS):
+        sums = sums + (tl.zeros((BLOCK_W, BLOCKS, 8), dtype=tl.float32),)
+    return sums
+
+
+@triton.jit
+def _token_rows(row_ptr, stride_x, offsets, TOKENS: tl.constexpr):
+    """Each token's activation at ``offsets`` from ``row_ptr`` in its row: a tuple of ``TOKENS``."""
+    rows = ()
+    for _ in tl.static_range(TOKENS):
+        rows = rows + (tl.load(row_ptr + offsets),)
+        row_ptr += stride_x
+    return rows
+
+
+@triton.jit
+def _add_step(sums, values, w_exp, x, BLOCKS: tl.constexpr, QUANTIZE: tl.constexpr):
+    """One step's products added to each token's sums (``sums`` and ``x``: tuples of one per token); the
+    step's weight words are expanded once (``values``) for all of them."""
+    added = ()
+    for t in tl.static_range(len(sums)):
+        added = added + (_add_products(sums[t], values, w_exp, x[t], BLOCKS, QUANTIZE),)
+    return added
 
 
 @triton.jit
