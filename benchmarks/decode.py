@@ -300,10 +300,10 @@ def main() -> int:
     parser.add_argument("--kernels", default="triton,triton-eager,reference",
                         help="backends to run; suffixes: -bi turns --batch-invariant on, -eager turns CUDA graphs "
                              "off (--enforce-eager), -nozos zero-overhead scheduling off (--no-zos), -notc the FP8 "
-                             "products of 2-8 tokens back on the decode form instead of the tensor cores fed from "
+                             "products of 3-8 tokens back on the decode form instead of the tensor cores fed from "
                              "registers (triton_mma_gemv), -notcx the routed experts on triton_moe instead of "
-                             "triton_mma_experts, -tc1 one token's FP8 products on triton_mma_gemv too instead of "
-                             "triton_gemv, -sort triton_mma_experts' pair sort in every step (these four: "
+                             "triton_mma_experts, -tc1 one and two tokens' FP8 products on triton_mma_gemv too "
+                             "instead of triton_gemv, -sort triton_mma_experts' pair sort in every step (these four: "
                              "in-process engine only), -pdl programmatic dependent launch on (--enable-pdl) for "
                              "that run")
     parser.add_argument("--batch", default="1,8,32,128,256", help="sequences per DP rank")

@@ -288,9 +288,10 @@ def main() -> int:
                   spill_free=True, pdl=pdl, prefetch=True, inspect=streamed_by_tma if ring else None)
     other_steps = [replace(cfg, block_k=k) for _, cfg in tile_configs._MMA_GEMV_TABLE[:1] for k in (32, 64, 128)
                    if k != cfg.block_k]  # the sweep's other steps
-    for cfg in [cfg for _, cfg in tile_configs._MMA_GEMV_TABLE] + other_steps:
-        for tokens, quantize, partial, pdl in ((2, True, True, False), (2, True, False, False), (8, True, True, False),
-                                               (2, False, True, False), (2, True, True, True)):
+    for cfg in dict.fromkeys([cfg for _, cfg in tile_configs._MMA_GEMV_TABLE] + other_steps):
+        # (the activation tile's rows: 3-4 tokens take 4, 5-8 take 8)
+        for tokens, quantize, partial, pdl in ((4, True, True, False), (4, True, False, False), (8, True, True, False),
+                                               (4, False, True, False), (4, True, True, True)):
             check(f"fp8_mma_gemv tokens={tokens} quantize={quantize} partial={partial} {cfg}",
                   triton_mma_gemv._fp8_mma_gemv_kernel,
                   {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "w2_ptr": "*u8", "s2_ptr": "*u8",

@@ -160,11 +160,17 @@ MMA_GEMV_MAX_TOKENS = 8
 
 # (largest M, config): ``triton_mma_gemv``. ``block_w`` is the program's weight rows (32 per warp,
 # ``num_warps`` warps), ``block_k`` its loop step, one, two or four 32-column blocks (its splits are
-# whole steps). A starting point for the sweep: with one block per step a warp keeps 1 KB of loads in
-# flight, and an H200 SM needs ~25 KB in flight to stream at full bandwidth, so enough splits for 8
-# programs of 4 warps per SM (62 registers per thread under the GPU's Triton 3.6: 8 such programs fit)
+# whole steps). Up to 4 tokens: with one block per step a warp keeps 1 KB of loads in flight, and an H200
+# SM needs ~25 KB in flight to stream at full bandwidth, so enough splits for 8 programs of 4 warps per SM
+# (62 registers per thread under the GPU's Triton 3.6: 8 such programs fit). From 5 tokens on, four
+# blocks per step and splits for 4 programs per SM (134 registers: 3 fit): the activation's preparation
+# and the split sums, which grow with the tokens, are paid over fewer, longer programs. A layer's
+# projections in one graph on one H200 (docs/benchmarks.md), this config against the other, without PDL:
+# 106.9 / 108.0 / 110.5 µs against 113.1 / 115.1 / 120.8 at 5 / 6 / 8 tokens, but 107.0 / 107.9 against
+# 100.5 / 101.9 at 3 / 4 (``--tune --m 8`` found it, per projection, among the 36 configs of the sweep)
 _MMA_GEMV_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
-    (8, DecodeConfig(128, 32, 4, 1, 8)),
+    (4, DecodeConfig(128, 32, 4, 1, 8)),
+    (8, DecodeConfig(128, 128, 4, 1, 4)),
 )
 
 
