@@ -34,6 +34,7 @@ def run_tune(bench, ms: list[int]) -> None:
     # 64-row side (batch invariance) (outputs compared bit for bit).
     tables = _tables()
     from model.kernels import triton_gemv, triton_mma_experts, triton_mma_gemv  # (imported late, as in _tables)
+    from model.kernels.triton_backend import matrix_vector_kernel
     decode_cfgs = [tables.DecodeConfig(bw, bk, bw // 16, st, pps) for bw in (64, 128) for bk in (128, 256)
                    for st in (3, 4) for pps in (2, 4, 8)]
     # the FP8 linears' kernel (one scale block per step; block_k = 32, the unit of its splits)
@@ -85,11 +86,12 @@ def run_tune(bench, ms: list[int]) -> None:
             fn = bench.tk.grouped_dequantized_linear if spec.groups > 1 else bench.tk.quantized_linear
             nbytes, flops = linear_bytes(spec, m, ws[0])
             limit_s = limit_of(nbytes, flops, bench.ceil)[2]
+            vector_form = matrix_vector_kernel(m)  # (the backend's, outside the batch-invariant mode)
             if m > bench.tk_decode_max:
                 table, cfgs, default = "bf16", prefill_cfgs, tables.bf16_mm_config(m)
-            elif tables.MMA_GEMV_MIN_TOKENS <= m <= min(tables.MMA_GEMV_MAX_TOKENS, triton_mma_gemv.MAX_TOKENS):
+            elif vector_form is triton_mma_gemv:
                 table, cfgs, default = "mma_gemv", mma_cfgs, tables.mma_gemv_config(m)
-            elif m <= triton_gemv.MAX_TOKENS:  # the backend's one-token form (not in the batch-invariant mode)
+            elif vector_form is triton_gemv:
                 table, cfgs, default = "gemv", gemv_cfgs, tables.gemv_config(m, spec.groups * spec.n, spec.k)
             elif spec.groups > 1:
                 table, cfgs, default = "decode", decode_cfgs, tables.decode_mm_config(m)

@@ -134,7 +134,8 @@ tile_configs = None
 QuantizedWeight = ExpertWeights = WeightFormat = TileConfig = None
 ReferenceKernels = TritonKernels = None
 GAINS: dict[str, float] = {}
-DECODE_FORM_MAX_M = GEMV_MAX_M = 0
+DECODE_FORM_MAX_M = 0
+matrix_vector_kernel = triton_gemv = None
 
 
 def capture_on_this_stream(fn) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -149,25 +150,27 @@ def capture_on_this_stream(fn) -> tuple[torch.cuda.CUDAGraph, object]:
 
 def _import_kernels() -> None:
     global triton, tile_configs, QuantizedWeight, ExpertWeights, WeightFormat, TileConfig
-    global ReferenceKernels, TritonKernels, GAINS, DECODE_FORM_MAX_M, GEMV_MAX_M
+    global ReferenceKernels, TritonKernels, GAINS, DECODE_FORM_MAX_M, matrix_vector_kernel, triton_gemv
     import triton as _triton
 
     from model.kernels.triton_decode_mm import MAX_TOKENS
-    from model.kernels.triton_gemv import MAX_TOKENS as GEMV_MAX_TOKENS
 
     from model import checkpoint_maker
     from model.config import WeightFormat as _WeightFormat
     from model.kernels import tile_configs as _tile_configs
     from model.kernels.reference import ReferenceKernels as _ReferenceKernels
+    from model.kernels import triton_gemv as _triton_gemv
     from model.kernels.triton_backend import TritonKernels as _TritonKernels
+    from model.kernels.triton_backend import matrix_vector_kernel as _matrix_vector_kernel
     from model.kernels.weights import ExpertWeights as _ExpertWeights
     from model.kernels.weights import QuantizedWeight as _QuantizedWeight
 
     triton, tile_configs = _triton, _tile_configs
-    DECODE_FORM_MAX_M, GEMV_MAX_M = MAX_TOKENS, GEMV_MAX_TOKENS
+    DECODE_FORM_MAX_M = MAX_TOKENS
     QuantizedWeight, ExpertWeights, WeightFormat = _QuantizedWeight, _ExpertWeights, _WeightFormat
     TileConfig = _tile_configs.TileConfig
     ReferenceKernels, TritonKernels = _ReferenceKernels, _TritonKernels
+    matrix_vector_kernel, triton_gemv = _matrix_vector_kernel, _triton_gemv
     GAINS = dict(checkpoint_maker.GAINS)
 
 
@@ -499,7 +502,7 @@ def main(argv=None) -> int:
                     log(f"layer FP8 linears M={m}: graph {us(entry['graph_s'])} us, sum {us(entry['sum_s'])} us, "
                         f"memory limit {us(entry['mem_limit_s'])} us -> {entry['pct_mem_limit']:.0%}"
                         + (f"; without PDL {us(entry['graph_without_pdl_s'])} us" if args.pdl else ""))
-                    if m < tile_configs.MMA_GEMV_MIN_TOKENS and m <= GEMV_MAX_M:
+                    if matrix_vector_kernel(m) is triton_gemv:
                         # the products' configs on triton_gemv (one or a few tokens), each in the same graph
                         entry["gemv_configs"] = {}
                         for fields in args.gemv_configs:

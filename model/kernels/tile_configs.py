@@ -142,7 +142,9 @@ GEMV_IN_REGISTERS = DecodeConfig(32, 128, 4, 1, 4)
 
 def gemv_config(m: int, rows: int = 0, k: int = 0) -> DecodeConfig:
     """``triton_gemv``'s config for ``m`` tokens times ``rows`` output rows of K = ``k`` (one launch)."""
-    return (_GEMV_BY_SHAPE.get((rows, k)) if m == 1 else None) or _pick(_GEMV_TABLE, m)
+    if m == 1 and (rows, k) in _GEMV_BY_SHAPE:
+        return _GEMV_BY_SHAPE[(rows, k)]
+    return _pick(_GEMV_TABLE, m)
 
 
 # The FP8 products of MMA_GEMV_MIN_TOKENS to MMA_GEMV_MAX_TOKENS tokens take ``triton_mma_gemv`` (the tensor

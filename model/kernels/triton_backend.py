@@ -39,6 +39,17 @@ from .triton_top_entries import top_entries
 from .weights import ExpertWeights, QuantizedWeight
 
 
+def matrix_vector_kernel(m: int, eight_byte_aligned: bool = True):
+    """The kernel module that takes the FP8 products of ``m`` tokens in the matrix-vector form, outside the
+    batch-invariant mode: ``triton_mma_gemv`` from ``tile_configs.MMA_GEMV_MIN_TOKENS`` to
+    ``MMA_GEMV_MAX_TOKENS`` tokens (weights starting on 8 bytes), else ``triton_gemv`` up to its
+    ``MAX_TOKENS``; None: the decode or prefill form. The benchmarks ask it which table a size reads."""
+    if eight_byte_aligned and \
+            tile_configs.MMA_GEMV_MIN_TOKENS <= m <= min(tile_configs.MMA_GEMV_MAX_TOKENS, triton_mma_gemv.MAX_TOKENS):
+        return triton_mma_gemv
+    return triton_gemv if 1 <= m <= triton_gemv.MAX_TOKENS else None
+
+
 class TritonKernels(KernelBackend):
     """``batch_invariant``: every product in its prefill form, whose rows never depend on M (see
     ``triton_bf16_mm``); otherwise the FP8 products of one or two tokens take the matrix-vector form
@@ -70,17 +81,16 @@ class TritonKernels(KernelBackend):
         return not self.batch_invariant and 0 < m <= DECODE_MAX_TOKENS
 
     def _matrix_vector(self, m: int, *weights: QuantizedWeight):
-        """The matrix-vector kernel that takes these FP8 weights' products of ``m`` tokens (outside the
-        batch-invariant mode): ``triton_mma_gemv`` from ``tile_configs.MMA_GEMV_MIN_TOKENS`` to
-        ``MMA_GEMV_MAX_TOKENS`` tokens, ``triton_gemv`` below that (up to its ``MAX_TOKENS``); None: the decode
-        or prefill form."""
-        if self.batch_invariant or m < 1 or not all(
+        """The matrix-vector kernel that takes these FP8 weights' products of ``m`` tokens outside the
+        batch-invariant mode (``matrix_vector_kernel``); None: the decode or prefill form."""
+        if self.batch_invariant or not all(
                 w.fmt is WeightFormat.FP8 and triton_gemv.fits(w.values, w.scales) for w in weights):
             return None
-        if tile_configs.MMA_GEMV_MIN_TOKENS <= m <= min(tile_configs.MMA_GEMV_MAX_TOKENS, triton_mma_gemv.MAX_TOKENS) \
-                and all(w.values.data_ptr() % 8 == 0 for w in weights):  # (8-byte loads; a view may start anywhere)
+        # (triton_mma_gemv loads 8 bytes at a time; a view into a larger buffer may start anywhere)
+        kernel = matrix_vector_kernel(m, eight_byte_aligned=all(w.values.data_ptr() % 8 == 0 for w in weights))
+        if kernel is triton_mma_gemv:
             return triton_mma_gemv.fp8_mma_gemv
-        return triton_gemv.fp8_gemv if m <= triton_gemv.MAX_TOKENS else None
+        return triton_gemv.fp8_gemv if kernel is triton_gemv else None
 
     def quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
         shape = x.shape
