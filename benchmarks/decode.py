@@ -303,9 +303,10 @@ def main() -> int:
                              "products of 3-8 tokens back on the decode form instead of the tensor cores fed from "
                              "registers (triton_mma_gemv), -notcx the routed experts on triton_moe instead of "
                              "triton_mma_experts, -tc1 one and two tokens' FP8 products on triton_mma_gemv too "
-                             "instead of triton_gemv, -sort triton_mma_experts' pair sort in every step (these four: "
-                             "in-process engine only), -pdl programmatic dependent launch on (--enable-pdl) for "
-                             "that run")
+                             "instead of triton_gemv, -sort triton_mma_experts' pair sort in every step, -noshape "
+                             "the matrix-vector kernels' per-launch configs set aside (the tables by M only; these "
+                             "five: in-process engine only), -pdl programmatic dependent launch on (--enable-pdl) "
+                             "for that run")
     parser.add_argument("--batch", default="1,8,32,128,256", help="sequences per DP rank")
     parser.add_argument("--dp", type=int, default=1,
                         help="data-parallel ranks (one GPU each, experts sharded): batch sizes are per rank")
@@ -345,16 +346,19 @@ def main() -> int:
     default_tensor_core_min_tokens = tile_configs.MMA_GEMV_MIN_TOKENS
     default_tensor_core_pairs = tile_configs.MMA_EXPERTS_MAX_PAIRS
     default_unsorted_pairs = tile_configs.MMA_EXPERTS_UNSORTED_PAIRS
+    default_launch_tables = tile_configs._GEMV_BY_SHAPE, tile_configs._MMA_GEMV_BY_SHAPE
     for variant in args.kernels.split(","):
         kernels, *suffixes = variant.split("-")
         batch_invariant, eager, zos = "bi" in suffixes, "eager" in suffixes, "nozos" not in suffixes
-        if {"notc", "notcx", "tc1", "sort"} & set(suffixes) and args.dp != 1:
-            parser.error("-notc, -notcx, -tc1 and -sort set tile tables of this process: they need the in-process "
-                         "engine (--dp 1)")
+        if {"notc", "notcx", "tc1", "sort", "noshape"} & set(suffixes) and args.dp != 1:
+            parser.error("-notc, -notcx, -tc1, -sort and -noshape set tile tables of this process: they need the "
+                         "in-process engine (--dp 1)")
         tile_configs.MMA_GEMV_MAX_TOKENS = 0 if "notc" in suffixes else default_tensor_core_tokens
         tile_configs.MMA_GEMV_MIN_TOKENS = 1 if "tc1" in suffixes else default_tensor_core_min_tokens
         tile_configs.MMA_EXPERTS_MAX_PAIRS = 0.0 if "notcx" in suffixes else default_tensor_core_pairs
         tile_configs.MMA_EXPERTS_UNSORTED_PAIRS = 0 if "sort" in suffixes else default_unsorted_pairs
+        tile_configs._GEMV_BY_SHAPE = {} if "noshape" in suffixes else default_launch_tables[0]
+        tile_configs._MMA_GEMV_BY_SHAPE = {} if "noshape" in suffixes else default_launch_tables[1]
         runnable = [b for b in batches if kernels != "reference" or b <= args.reference_max_batch]
         if not runnable:
             continue

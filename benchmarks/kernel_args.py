@@ -53,8 +53,9 @@ def parse_args(argv=None, description: str = ""):
                         "128 columns a step, 4 warps, the weight in registers (s1) or through a ring of that "
                         "many tiles in shared memory (s3, s4, ...), split-K until 4 programs per SM)")
     p.add_argument("--tune-layer-gemv", action="store_true",
-                   help="at M = 1 also time each launch of the one-token layer graph under triton_gemv's candidate "
-                        "configs, then the graph with each launch's best (benchmarks/layer_gemv_tune.py)")
+                   help="at each M that takes triton_gemv or triton_mma_gemv also time each launch of the layer "
+                        "graph under that kernel's candidate configs, then the graph with each launch's best "
+                        "(benchmarks/layer_gemv_tune.py)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     try:

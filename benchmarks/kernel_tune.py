@@ -90,7 +90,7 @@ def run_tune(bench, ms: list[int]) -> None:
             if m > bench.tk_decode_max:
                 table, cfgs, default = "bf16", prefill_cfgs, tables.bf16_mm_config(m)
             elif vector_form is triton_mma_gemv:
-                table, cfgs, default = "mma_gemv", mma_cfgs, tables.mma_gemv_config(m)
+                table, cfgs, default = "mma_gemv", mma_cfgs, tables.mma_gemv_config(m, spec.groups * spec.n, spec.k)
             elif vector_form is triton_gemv:
                 table, cfgs, default = "gemv", gemv_cfgs, tables.gemv_config(m, spec.groups * spec.n, spec.k)
             elif spec.groups > 1:
@@ -160,12 +160,13 @@ def _sweep(bench, name, m, limit_s, default, cfgs, table, call, budget, exact: b
 
 @contextlib.contextmanager
 def override_tables(moe=None, decode=None, fp8_decode=None, bf16=None, gemv=None, mma_gemv=None, mma_experts=None,
-                    gemv_by_shape=None):
+                    gemv_by_shape=None, mma_gemv_by_shape=None):
     """Every M takes ``moe`` / ``decode`` / ``fp8_decode`` / ``bf16`` / ``gemv`` / ``mma_gemv`` /
     ``mma_experts`` while inside (the tables are read at each call); ``mma_gemv`` and ``mma_experts`` also
     turn their tensor-core kernels on for every size they take, ``moe`` turns ``triton_mma_experts`` off.
-    ``gemv`` takes every shape too (the per-shape entries are set aside); ``gemv_by_shape`` replaces
-    those entries (``tile_configs._GEMV_BY_SHAPE``)."""
+    ``gemv`` and ``mma_gemv`` take every shape too (the launches' own tables are set aside);
+    ``gemv_by_shape`` / ``mma_gemv_by_shape`` replace those tables (``tile_configs._GEMV_BY_SHAPE`` /
+    ``_MMA_GEMV_BY_SHAPE``)."""
     tables = _tables()
     names = {"moe": "_MOE_TABLE", "decode": "_DECODE_MM_TABLE", "fp8_decode": "_FP8_DECODE_TABLE",
              "bf16": "_BF16_MM_TABLE", "gemv": "_GEMV_TABLE", "mma_gemv": "_MMA_GEMV_TABLE",
@@ -173,13 +174,15 @@ def override_tables(moe=None, decode=None, fp8_decode=None, bf16=None, gemv=None
     chosen = {"moe": moe, "decode": decode, "fp8_decode": fp8_decode, "bf16": bf16, "gemv": gemv,
               "mma_gemv": mma_gemv, "mma_experts": mma_experts}
     switches = ["MMA_GEMV_MIN_TOKENS", "MMA_GEMV_MAX_TOKENS", "MMA_EXPERTS_MAX_PAIRS"]
-    saved = {attr: getattr(tables, attr) for attr in [*names.values(), *switches, "_GEMV_BY_SHAPE"]}
+    launch_tables = {"_GEMV_BY_SHAPE": (gemv, gemv_by_shape), "_MMA_GEMV_BY_SHAPE": (mma_gemv, mma_gemv_by_shape)}
+    saved = {attr: getattr(tables, attr) for attr in [*names.values(), *switches, *launch_tables]}
     try:
         for key, cfg in chosen.items():
             if cfg is not None:
                 setattr(tables, names[key], ((1 << 62, cfg),))
-        if gemv is not None or gemv_by_shape is not None:
-            tables._GEMV_BY_SHAPE = dict(gemv_by_shape or {})
+        for attr, (every_shape, by_shape) in launch_tables.items():
+            if every_shape is not None or by_shape is not None:
+                setattr(tables, attr, dict(by_shape or {}))
         if mma_gemv is not None:
             from model.kernels import triton_mma_gemv  # (imported late, as in _tables)
 

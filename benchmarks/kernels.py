@@ -90,8 +90,8 @@ M = 1 / 8 / 64 / 256).
 that takes ``triton_gemv`` (one token; up to ``triton_gemv.MAX_TOKENS`` below ``--tensor-core-tokens``'s
 range) again with each of these configs (in the sweep's form: rows, columns a step, warps,
 stages: 1 the weight in registers, more a ring of tiles in shared memory, programs per SM), in the same
-run as the default. ``--tune-layer-gemv`` picks a config per launch of that graph
-(``benchmarks/layer_gemv_tune.py``). The command line is ``benchmarks/kernel_args.py``.
+run as the default. ``--tune-layer-gemv`` picks a config per launch of the layer graph of each M that
+takes ``triton_gemv`` or ``triton_mma_gemv`` (``benchmarks/layer_gemv_tune.py``). The command line is ``benchmarks/kernel_args.py``.
 
 ``--batch-invariant`` measures the Triton backend's batch-invariant mode (every product in its
 prefill form) instead of the default (split-K decode form at M <= 64).
@@ -502,6 +502,8 @@ def main(argv=None) -> int:
                     log(f"layer FP8 linears M={m}: graph {us(entry['graph_s'])} us, sum {us(entry['sum_s'])} us, "
                         f"memory limit {us(entry['mem_limit_s'])} us -> {entry['pct_mem_limit']:.0%}"
                         + (f"; without PDL {us(entry['graph_without_pdl_s'])} us" if args.pdl else ""))
+                    if args.tune_layer_gemv and matrix_vector_kernel(m) is not None:
+                        entry["gemv_launches"] = run_layer_gemv_tune(bench, m)
                     if matrix_vector_kernel(m) is triton_gemv:
                         # the products' configs on triton_gemv (one or a few tokens), each in the same graph
                         entry["gemv_configs"] = {}
@@ -511,8 +513,6 @@ def main(argv=None) -> int:
                             entry["gemv_configs"][cfg_text(fields)] = graph_s
                             log(f"layer FP8 linears M={m} with triton_gemv {cfg_text(fields)}: graph "
                                 f"{us(graph_s)} us -> {entry['mem_limit_s'] / graph_s:.0%}")
-                        if args.tune_layer_gemv and m == 1:
-                            entry["gemv_launches"] = run_layer_gemv_tune(bench)
         if args.tune:
             run_tune(bench, args.ms)
     except CorrectnessError as exc:

@@ -1,13 +1,15 @@
-"""``benchmarks/kernels.py --tune-layer-gemv``: one config per launch of the one-token layer graph.
+"""``benchmarks/kernels.py --tune-layer-gemv``: one config per launch of the layer graph of a few tokens.
 
-A V4.1-Flash layer's nine FP8 projections reach ``triton_gemv`` in six launches (``wq_a`` with ``wkv``,
-``wq_b`` with the indexer's, the shared ``w1`` with ``w3``, ``wo_a``, ``wo_b``, ``w2``), from 9 to 47 MB
-of weight each, and the small ones cost ~4-5 µs beyond their bytes: how many programs and how deep a
-ring keep enough of a launch in flight may depend on its size. Here each launch is timed alone (16
-calls in one CUDA graph, rotating weight copies) under every candidate, its outputs compared with the
-default's; then the whole layer graph is timed with each launch's best (``tile_configs._GEMV_BY_SHAPE``,
-keyed by the launch's output rows and K) next to the graph as it runs now, in the same run. The picks
-are printed as the table's entries. (On one H100 the default was the best for every launch, within
+A V4.1-Flash layer's nine FP8 projections reach the matrix-vector kernels (``triton_gemv`` for one or
+two tokens, ``triton_mma_gemv`` for 3-8) in six launches (``wq_a`` with ``wkv``, ``wq_b`` with the
+indexer's, the shared ``w1`` with ``w3``, ``wo_a``, ``wo_b``, ``w2``), from 9 to 47 MB of weight each,
+and the small ones cost ~4-5 µs beyond their bytes: how many programs and how long a step keep enough of
+a launch in flight may depend on its size. Here, at each M asked for, each launch is timed alone (16
+calls in one CUDA graph, rotating weight copies) under every candidate of the kernel that takes M, its
+outputs compared with the default's; then the whole layer graph is timed with each launch's best (the
+launches' own tables, ``tile_configs._GEMV_BY_SHAPE`` / ``_MMA_GEMV_BY_SHAPE``, keyed by the launch's
+output rows and K, one row of bound M) next to the graph as it runs now, in the same run. The picks are
+printed as the tables' entries. (On one H100 the one-token default was the best for every launch, within
 0.2 µs: docs/benchmarks.md.)
 """
 
@@ -22,8 +24,9 @@ ROTATIONS = 16  # input and weight sets a launch rotates over (one per call of a
 
 
 def candidates():
-    """Rings only (the registers' loop lost to them at every size measured): 32 rows and 4 warps or 16
-    and 2; 256- or 512-column steps; rings deep enough for 2-7 steps in flight; 1-4 programs per SM."""
+    """``triton_gemv``'s: rings only (the registers' loop lost to them at every size measured): 32 rows and
+    4 warps or 16 and 2; 256- or 512-column steps; rings deep enough for 2-7 steps in flight; 1-4 programs
+    per SM."""
     from model.kernels.tile_configs import DecodeConfig
 
     rings = {256: (3, 4, 6, 8), 512: (3, 4, 5)}
@@ -31,19 +34,37 @@ def candidates():
             for ring in depths for pps in (1, 2, 4)]
 
 
+def mma_candidates():
+    """``triton_mma_gemv``'s: 2, 4 or 8 warps (32 rows each); steps of four 32-column blocks (the best of
+    the per-projection sweep at 8 tokens on one H200) or of one and two; 1-8 programs per SM (3 of 4 warps
+    fit at four blocks a step: docs/benchmarks.md)."""
+    from model.kernels.tile_configs import DecodeConfig
+
+    four_blocks = [DecodeConfig(32 * warps, 128, warps, 1, pps) for warps, counts in ((2, (2, 4, 6, 8)),
+                   (4, (1, 2, 3, 4)), (8, (1, 2))) for pps in counts]
+    return four_blocks + [DecodeConfig(128, step, 4, 1, pps) for step in (32, 64) for pps in (4, 8)]
+
+
 def launch_key(specs, names) -> tuple[int, int]:
-    """``(rows, K)`` of the launch that computes the projections ``names`` (``tile_configs.gemv_config``)."""
+    """``(rows, K)`` of the launch that computes the projections ``names`` (as ``tile_configs.gemv_config``
+    and ``mma_gemv_config`` take it)."""
     by_name = {spec.name: spec for spec in specs}
     return sum(by_name[n].groups * by_name[n].n for n in names), by_name[names[0]].k
 
 
-def run_layer_gemv_tune(bench) -> dict:
-    """Each one-token launch's best config, then the layer graph with all of them; the entry is returned
-    (``graph_s`` as it runs now, ``tuned_graph_s`` with the picks, ``launches``: every timing)."""
+def run_layer_gemv_tune(bench, m: int) -> dict:
+    """Each launch's best config at ``m`` tokens, then the layer graph with all of them; the entry is
+    returned (``graph_s`` as it runs now, ``tuned_graph_s`` with the picks, ``launches``: every timing)."""
+    from model.kernels import tile_configs, triton_mma_gemv
+    from model.kernels.triton_backend import matrix_vector_kernel
+
+    on_tensor_cores = matrix_vector_kernel(m) is triton_mma_gemv
+    table = "mma_gemv" if on_tensor_cores else "gemv"
+    launch_tables = tile_configs._MMA_GEMV_BY_SHAPE if on_tensor_cores else tile_configs._GEMV_BY_SHAPE
     budget = (bench.budget_fast[0] * 0.4, bench.budget_fast[1], bench.budget_fast[2])
     sets = [layer_calls(bench.specs, lambda name, j=j: bench.weights[name][j % len(bench.weights[name])], bench.tk,
-                        1, bench.gen, bench.device) for j in range(ROTATIONS)]
-    entry = {"launches": [], "picks": {}}
+                        m, bench.gen, bench.device) for j in range(ROTATIONS)]
+    entry = {"m": m, "kernel": table, "launches": [], "picks": {}}
     for index, (names, _, _) in enumerate(sets[0]):
         key = launch_key(bench.specs, names)
 
@@ -53,10 +74,11 @@ def run_layer_gemv_tune(bench) -> dict:
         base = call(0)
         base_s = bench.measure_triton(call, budget, True).median_s
         timings, best = [], (base_s, None)
-        for cfg in candidates():
-            if key[1] % cfg.block_k:
-                continue  # the kernel would halve the step: another candidate's launch
-            with override_tables(gemv=cfg):
+        default = (tile_configs.mma_gemv_config if on_tensor_cores else tile_configs.gemv_config)(m, *key)
+        for cfg in mma_candidates() if on_tensor_cores else candidates():
+            if key[1] % cfg.block_k or cfg == default:
+                continue  # the kernel would shorten the step (another candidate's launch), or the base itself
+            with override_tables(**{table: cfg}):
                 try:
                     out = call(0)
                     t = bench.measure_triton(call, budget, True).median_s
@@ -65,7 +87,7 @@ def run_layer_gemv_tune(bench) -> dict:
                     continue
             err = max(rel_err(o, b) for o, b in zip(out, base, strict=True))
             if not err <= MAX_REL_ERR:  # another split: another summation order, within the tolerance
-                raise CorrectnessError(f"{'+'.join(names)} with triton_gemv {cfg_text(cfg)}: differs from the "
+                raise CorrectnessError(f"{'+'.join(names)} with {table} {cfg_text(cfg)} at M={m}: differs from the "
                                        f"default config by {err:.2e}")
             timings.append({"config": cfg_text(cfg), "s": t, "rel_err_to_default": err})
             if t < best[0]:
@@ -74,17 +96,20 @@ def run_layer_gemv_tune(bench) -> dict:
                                   "best": cfg_text(best[1]) if best[1] else "default", "configs": timings})
         if best[1] is not None:
             entry["picks"][key] = best[1]
-        log(f"tune layer launch {'+'.join(names):28s} {key}: default {us(base_s)} us -> best {us(best[0])} us "
+        log(f"tune layer launch M={m} {'+'.join(names):28s} {key}: default {us(base_s)} us -> best {us(best[0])} us "
             f"{cfg_text(best[1]) if best[1] else '(the default)'}")
     del sets
-    entry["graph_s"] = bench.run_layer_graph(1, bench.tk)["graph_s"]
-    with override_tables(gemv_by_shape=entry["picks"]):
-        entry["tuned_graph_s"] = bench.run_layer_graph(1, bench.tk)["graph_s"]
-    entry["again_graph_s"] = bench.run_layer_graph(1, bench.tk)["graph_s"]  # the default again: the run's noise
-    log(f"layer FP8 linears M=1: graph {us(entry['graph_s'])} / {us(entry['again_graph_s'])} us as it runs now, "
+    # the picks as rows of bound m, before the rows the launches' tables hold now
+    tuned = {key: ((m, cfg), *launch_tables.get(key, ())) for key, cfg in entry["picks"].items()}
+    entry["graph_s"] = bench.run_layer_graph(m, bench.tk)["graph_s"]
+    with override_tables(**{f"{table}_by_shape": {**launch_tables, **tuned}}):
+        entry["tuned_graph_s"] = bench.run_layer_graph(m, bench.tk)["graph_s"]
+    entry["again_graph_s"] = bench.run_layer_graph(m, bench.tk)["graph_s"]  # the default again: the run's noise
+    log(f"layer FP8 linears M={m}: graph {us(entry['graph_s'])} / {us(entry['again_graph_s'])} us as it runs now, "
         f"{us(entry['tuned_graph_s'])} us with each launch's best")
-    log("tile_configs._GEMV_BY_SHAPE = {" + ", ".join(
-        f"{key}: DecodeConfig({c.block_w}, {c.block_k}, {c.num_warps}, {c.num_stages}, {c.programs_per_sm})"
+    attr = "_MMA_GEMV_BY_SHAPE" if on_tensor_cores else "_GEMV_BY_SHAPE"
+    log(f"tile_configs.{attr} rows of M <= {m}: {{" + ", ".join(
+        f"{key}: ({m}, DecodeConfig({c.block_w}, {c.block_k}, {c.num_warps}, {c.num_stages}, {c.programs_per_sm}))"
         for key, c in entry["picks"].items()) + "}")
     entry["picks"] = {f"{rows}x{k}": cfg_text(c) for (rows, k), c in entry["picks"].items()}  # (JSON keys)
     return entry

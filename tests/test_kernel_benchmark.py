@@ -137,30 +137,44 @@ def test_gemv_configs_are_read_in_the_tile_sweeps_form():
             gemv_config_fields(wrong)
 
 
-def test_the_layer_launches_are_keyed_as_the_kernel_keys_them():
+def test_the_layer_launches_are_keyed_as_the_kernels_key_them():
     """``--tune-layer-gemv`` keys each launch of the layer graph by its output rows (a pair's rows
-    added, a grouped weight's groups x N) and K, as ``triton_gemv`` looks its config up; inside
-    ``override_tables(gemv=...)`` every shape takes that config, and the entries come back after."""
+    added, a grouped weight's groups x N) and K, as ``triton_gemv`` and ``triton_mma_gemv`` look their
+    configs up: a launch's own rows first (the first whose bound holds), then the table by M. Inside
+    ``override_tables(gemv=...)`` / ``(mma_gemv=...)`` every shape takes that config, and the launches'
+    tables come back after."""
     from benchmarks.kernel_inputs import FLASH, LAYER_PAIRS, linear_specs
     from benchmarks.kernel_tune import override_tables
-    from benchmarks.layer_gemv_tune import candidates, launch_key
+    from benchmarks.layer_gemv_tune import candidates, launch_key, mma_candidates
     from model.kernels import tile_configs
 
     specs = linear_specs(FLASH)
     assert launch_key(specs, LAYER_PAIRS[0]) == (1280 + 512, 5120)  # wq_a with wkv
     assert launch_key(specs, ("attn.wo_a (grouped)",)) == (8 * 1024, 4096)
     assert all(cfg.num_stages > 1 and 32 % cfg.block_w == 0 for cfg in candidates())
+    assert all(cfg.num_stages == 1 and cfg.block_w == 32 * cfg.num_warps for cfg in mma_candidates())
     entry = tile_configs.DecodeConfig(16, 256, 2, 4, 2)
     forced = tile_configs.DecodeConfig(32, 256, 4, 3, 1)
-    saved = tile_configs._GEMV_BY_SHAPE
+    five_to_eight = tile_configs.DecodeConfig(64, 128, 2, 1, 2)
+    saved = tile_configs._GEMV_BY_SHAPE, tile_configs._MMA_GEMV_BY_SHAPE
     try:
-        tile_configs._GEMV_BY_SHAPE = {(1792, 5120): entry}
+        tile_configs._GEMV_BY_SHAPE = {(1792, 5120): ((1, entry),)}
+        tile_configs._MMA_GEMV_BY_SHAPE = {(1792, 5120): ((4, forced), (8, five_to_eight))}
         assert tile_configs.gemv_config(1, 1792, 5120) == entry
+        assert tile_configs.gemv_config(2, 1792, 5120) == tile_configs._pick(tile_configs._GEMV_TABLE, 2)
+        assert [tile_configs.mma_gemv_config(m, 1792, 5120) for m in (3, 4, 5, 8)] == [forced] * 2 + [five_to_eight] * 2
+        assert tile_configs.mma_gemv_config(8, 512, 5120) == tile_configs._pick(tile_configs._MMA_GEMV_TABLE, 8)
         with override_tables(gemv=forced):
             assert tile_configs.gemv_config(1, 1792, 5120) == forced
-        with override_tables(gemv_by_shape={(512, 256): forced}):
+        with override_tables(mma_gemv=entry):
+            assert tile_configs.mma_gemv_config(8, 1792, 5120) == entry
+        with override_tables(gemv_by_shape={(512, 256): ((1, forced),)}):
             assert tile_configs.gemv_config(1, 512, 256) == forced
             assert tile_configs.gemv_config(1, 1792, 5120) == tile_configs._pick(tile_configs._GEMV_TABLE, 1)
-        assert tile_configs._GEMV_BY_SHAPE == {(1792, 5120): entry}
+        with override_tables(mma_gemv_by_shape={(512, 256): ((8, forced),)}):
+            assert tile_configs.mma_gemv_config(8, 512, 256) == forced
+            assert tile_configs.mma_gemv_config(8, 1792, 5120) == tile_configs._pick(tile_configs._MMA_GEMV_TABLE, 8)
+        assert tile_configs._GEMV_BY_SHAPE == {(1792, 5120): ((1, entry),)}
+        assert tile_configs._MMA_GEMV_BY_SHAPE == {(1792, 5120): ((4, forced), (8, five_to_eight))}
     finally:
-        tile_configs._GEMV_BY_SHAPE = saved
+        tile_configs._GEMV_BY_SHAPE, tile_configs._MMA_GEMV_BY_SHAPE = saved

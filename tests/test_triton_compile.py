@@ -258,14 +258,15 @@ def main() -> int:
     def streamed_by_tma(kernel) -> list[str]:
         return [] if "UTMALDG" in kernel.asm["sass"] else ["no tensor-memory-accelerator load"]
 
-    # the tables' configs (by M, with the token counts each takes; by a launch's shape, at one token) and
+    # the tables' configs (by M, with the token counts each takes; by a launch's shape, up to its bound) and
     # the one of weights the accelerator cannot stream (any token count)
     gemv_configs, fewer = {}, 0
     for bound, cfg in tile_configs._GEMV_TABLE:
         gemv_configs.setdefault(cfg, set()).update(range(fewer + 1, min(bound, triton_gemv.MAX_TOKENS) + 1))
         fewer = bound
-    for cfg in tile_configs._GEMV_BY_SHAPE.values():
-        gemv_configs.setdefault(cfg, set()).add(1)
+    for launch_rows in tile_configs._GEMV_BY_SHAPE.values():
+        for bound, cfg in launch_rows:
+            gemv_configs.setdefault(cfg, set()).update(range(1, min(bound, triton_gemv.MAX_TOKENS) + 1))
     gemv_configs.setdefault(tile_configs.GEMV_IN_REGISTERS, set()).update(range(1, triton_gemv.MAX_TOKENS + 1))
     # (quantize, partial, pdl): the FP8 linears, then wo_a
     one_token = [(True, True, False), (True, False, False), (False, True, False), (True, True, True), (False, False, True)]
@@ -288,7 +289,8 @@ def main() -> int:
                   spill_free=True, pdl=pdl, prefetch=True, inspect=streamed_by_tma if ring else None)
     other_steps = [replace(cfg, block_k=k) for _, cfg in tile_configs._MMA_GEMV_TABLE[:1] for k in (32, 64, 128)
                    if k != cfg.block_k]  # the sweep's other steps
-    for cfg in dict.fromkeys([cfg for _, cfg in tile_configs._MMA_GEMV_TABLE] + other_steps):
+    launch_configs = [cfg for launch_rows in tile_configs._MMA_GEMV_BY_SHAPE.values() for _, cfg in launch_rows]
+    for cfg in dict.fromkeys([cfg for _, cfg in tile_configs._MMA_GEMV_TABLE] + launch_configs + other_steps):
         # (the activation tile's rows: 3-4 tokens take 4, 5-8 take 8)
         for tokens, quantize, partial, pdl in ((4, True, True, False), (4, True, False, False), (8, True, True, False),
                                                (4, False, True, False), (4, True, True, True)):

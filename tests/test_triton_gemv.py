@@ -89,7 +89,7 @@ def test_a_launch_takes_the_config_of_its_shape(monkeypatch):
     plus a second weight's N) and its K; a launch of any other shape takes the table's config."""
     _config(monkeypatch, 16, 128, 1)
     shaped = tile_configs.DecodeConfig(8, 64, 4, 1, 64)
-    monkeypatch.setattr(tile_configs, "_GEMV_BY_SHAPE", {(64 + 96, 256): shaped, (3 * 64, 256): shaped})
+    monkeypatch.setattr(tile_configs, "_GEMV_BY_SHAPE", {(64 + 96, 256): ((1, shaped),), (3 * 64, 256): ((1, shaped),)})
     used = []
     real = triton_gemv.split_count
     monkeypatch.setattr(triton_gemv, "split_count", lambda cfg, *args: used.append(cfg) or real(cfg, *args))

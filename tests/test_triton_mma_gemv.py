@@ -30,6 +30,7 @@ def _config(monkeypatch, warps: int, programs_per_sm: int, max_splits: int = 64,
             step_blocks: int = 1) -> None:
     cfg = tile_configs.DecodeConfig(32 * warps, 32 * step_blocks, warps, 1, programs_per_sm, max_splits=max_splits)
     monkeypatch.setattr(tile_configs, "_MMA_GEMV_TABLE", ((8, cfg),))
+    monkeypatch.setattr(tile_configs, "_MMA_GEMV_BY_SHAPE", {})
     monkeypatch.setattr(triton_mma_gemv, "sm_count", lambda device: sms)
 
 
@@ -72,6 +73,29 @@ def test_each_token_is_its_own_row_of_the_output(monkeypatch):
     for row in (0, 5, 7):
         alone = fp8_mma_gemv(x[row:row + 1], [(weight.values, weight.scales)], quantize=True)
         assert torch.equal(together[row:row + 1], alone)
+
+
+def test_a_launch_takes_the_config_of_its_shape(monkeypatch):
+    """``tile_configs._MMA_GEMV_BY_SHAPE`` is keyed by a launch's output rows (a second weight's N added)
+    and its K, each shape's rows bounded by M like the table's; other shapes and M's take the table."""
+    _config(monkeypatch, 2, 1)
+    shaped = tile_configs.DecodeConfig(32, 64, 1, 1, 64)
+    monkeypatch.setattr(tile_configs, "_MMA_GEMV_BY_SHAPE", {(64 + 96, 256): ((4, shaped),)})
+    used = []
+    real = triton_mma_gemv.split_count
+    monkeypatch.setattr(triton_mma_gemv, "split_count", lambda cfg, *args: used.append(cfg) or real(cfg, *args))
+    gen = torch.Generator().manual_seed(13)
+    first, second = random_weight(WeightFormat.FP8, 64, 256, gen), random_weight(WeightFormat.FP8, 96, 256, gen)
+    xs = [torch.randn(m, 256, generator=gen).bfloat16() for m in (3, 5)]
+    refs = [(REFERENCE.quantized_linear(x, first), REFERENCE.quantized_linear(x, second)) for x in xs]
+    on_first, on_second = first.to(device()), second.to(device())
+    for x, (ref_first, ref_second) in zip(xs, refs, strict=True):
+        both = fp8_mma_gemv(x.to(device()), [(on_first.values, on_first.scales), (on_second.values, on_second.scales)],
+                            quantize=True)
+        fp8_mma_gemv(x.to(device()), [(on_first.values, on_first.scales)], quantize=True)
+        assert_close_to_reference(both[:, :64].cpu(), ref_first)
+        assert_close_to_reference(both[:, 64:].cpu(), ref_second)
+    assert [cfg.num_warps for cfg in used] == [1, 2, 2, 2]  # the pair's shape up to 4 tokens only
 
 
 def test_two_weights_in_one_launch_match_each_alone(monkeypatch):

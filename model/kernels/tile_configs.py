@@ -105,6 +105,10 @@ _FP8_DECODE_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
 )
 
 
+# a launch's ``(output rows, K)`` -> its own table (rows of ``(largest M, config)``)
+LaunchTables = dict[tuple[int, int], tuple[tuple[int, DecodeConfig], ...]]
+
+
 def decode_mm_config(m: int) -> DecodeConfig:
     return _pick(_DECODE_MM_TABLE, m)
 
@@ -127,24 +131,32 @@ _GEMV_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
     (2, DecodeConfig(32, 512, 4, 3, 1)),
 )
 
-# One launch's shape -> its config at one token, looked up before the table above: ``(rows, K)``, ``rows``
-# the launch's output rows (a grouped weight's groups x N, plus a second weight's N).
-# ``benchmarks/kernels.py --tune-layer-gemv`` times each launch of a V4.1-Flash layer's one-token graph
-# alone under 42 ring candidates, then the layer graph with each launch's best. On one H100 the table's
-# config was the best or within 0.2 µs for all six launches (the graph 78.5 against 78.7 µs: noise),
-# so no entry is kept; an H200 has not run the sweep yet (docs/benchmarks.md)
-_GEMV_BY_SHAPE: dict[tuple[int, int], DecodeConfig] = {}
+# One launch's own table, read before the table above: ``(rows, K)`` -> rows of the same form, ``rows`` the
+# launch's output rows (a grouped weight's groups x N, plus a second weight's N); an M past the launch's
+# last row takes the table above. ``benchmarks/kernels.py --tune-layer-gemv`` times each launch of a
+# V4.1-Flash layer's one-token graph alone under 42 ring candidates, then the layer graph with each
+# launch's best. On one H100 the table's config was the best or within 0.2 µs for all six launches (the
+# graph 78.5 against 78.7 µs: noise), so no entry is kept; an H200 has not run the sweep yet
+# (docs/benchmarks.md)
+_GEMV_BY_SHAPE: LaunchTables = {}
 
 # a weight the accelerator cannot stream (its start not 16-byte aligned) takes the registers' best
 # config instead (the 512-column step held in registers spills)
 GEMV_IN_REGISTERS = DecodeConfig(32, 128, 4, 1, 4)
 
 
+def _pick_for_launch(by_shape: LaunchTables, table: tuple[tuple[int, DecodeConfig], ...], m: int, rows: int,
+                     k: int) -> DecodeConfig:
+    """The first row of the launch's own table (``by_shape[(rows, k)]``) whose bound holds, else ``table``'s."""
+    for bound, cfg in by_shape.get((rows, k), ()):
+        if m <= bound:
+            return cfg
+    return _pick(table, m)
+
+
 def gemv_config(m: int, rows: int = 0, k: int = 0) -> DecodeConfig:
     """``triton_gemv``'s config for ``m`` tokens times ``rows`` output rows of K = ``k`` (one launch)."""
-    if m == 1 and (rows, k) in _GEMV_BY_SHAPE:
-        return _GEMV_BY_SHAPE[(rows, k)]
-    return _pick(_GEMV_TABLE, m)
+    return _pick_for_launch(_GEMV_BY_SHAPE, _GEMV_TABLE, m, rows, k)
 
 
 # The FP8 products of MMA_GEMV_MIN_TOKENS to MMA_GEMV_MAX_TOKENS tokens take ``triton_mma_gemv`` (the tensor
@@ -176,8 +188,13 @@ _MMA_GEMV_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
 )
 
 
-def mma_gemv_config(m: int) -> DecodeConfig:
-    return _pick(_MMA_GEMV_TABLE, m)
+# A launch's own rows, read before the table above, as ``_GEMV_BY_SHAPE`` is for ``triton_gemv``
+_MMA_GEMV_BY_SHAPE: LaunchTables = {}
+
+
+def mma_gemv_config(m: int, rows: int = 0, k: int = 0) -> DecodeConfig:
+    """``triton_mma_gemv``'s config for ``m`` tokens times ``rows`` output rows of K = ``k`` (one launch)."""
+    return _pick_for_launch(_MMA_GEMV_BY_SHAPE, _MMA_GEMV_TABLE, m, rows, k)
 
 
 # The routed experts take ``triton_mma_experts`` (the tensor cores fed from registers, blocks of 8 pairs)

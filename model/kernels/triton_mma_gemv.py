@@ -365,7 +365,7 @@ def fp8_mma_gemv(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Te
                              f"and K = {k}, got {list(v.shape)}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    cfg = mma_gemv_config(m)
+    cfg = mma_gemv_config(m, groups * n + n2, k)
     if cfg.block_w != ROWS_PER_WARP * cfg.num_warps or cfg.block_k not in [BLOCK * s for s in STEP_BLOCKS]:
         raise ValueError(f"a triton_mma_gemv config has {ROWS_PER_WARP} rows per warp and steps of "
                          f"{' / '.join(map(str, STEP_BLOCKS))} {BLOCK}-column blocks, got {cfg}")
