@@ -290,7 +290,9 @@ def main() -> int:
     other_steps = [replace(cfg, block_k=k) for _, cfg in tile_configs._MMA_GEMV_TABLE[:1] for k in (32, 64, 128)
                    if k != cfg.block_k]  # the sweep's other steps
     launch_configs = [cfg for launch_rows in tile_configs._MMA_GEMV_BY_SHAPE.values() for _, cfg in launch_rows]
-    for cfg in dict.fromkeys([cfg for _, cfg in tile_configs._MMA_GEMV_TABLE] + launch_configs + other_steps):
+    kernels = {(cfg.block_w, cfg.block_k, cfg.num_warps): cfg  # (programs per SM do not change the kernel)
+               for cfg in [cfg for _, cfg in tile_configs._MMA_GEMV_TABLE] + launch_configs + other_steps}
+    for cfg in kernels.values():
         # (the activation tile's rows: 3-4 tokens take 4, 5-8 take 8)
         for tokens, quantize, partial, pdl in ((4, True, True, False), (4, True, False, False), (8, True, True, False),
                                                (4, False, True, False), (4, True, True, True)):

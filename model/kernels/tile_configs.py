@@ -188,8 +188,20 @@ _MMA_GEMV_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
 )
 
 
-# A launch's own rows, read before the table above, as ``_GEMV_BY_SHAPE`` is for ``triton_gemv``
-_MMA_GEMV_BY_SHAPE: LaunchTables = {}
+# A launch's own rows, read before the table above, as ``_GEMV_BY_SHAPE`` is for ``triton_gemv``: the
+# picks of ``benchmarks/kernels.py --tune-layer-gemv --m 4,8`` (each launch of a V4.1-Flash layer timed
+# alone under 14 candidates) on one H100. The layer graph there, without / with PDL: 109.2 / 102.1 µs at 3
+# tokens against 117.4 / 121.7 with the table alone, 110.4 / 103.5 against 118.8 / 123.8 at 4, 116.2 /
+# 109.2 against 119.6 / 113.4 at 5, 120.0 / 113.4 against 123.7 / 118.0 at 8 (docs/benchmarks.md). The
+# sweep has not run on an H200; its per-projection sweep at 8 tokens had found the same programs per SM
+_MMA_GEMV_BY_SHAPE: LaunchTables = {
+    (1792, 5120): ((4, DecodeConfig(128, 128, 4, 1, 3)),),  # wq_a with wkv
+    (36864, 1280): ((8, DecodeConfig(128, 128, 4, 1, 2)),),  # wq_b with the indexer's
+    (8192, 4096): ((4, DecodeConfig(256, 128, 8, 1, 2)), (8, DecodeConfig(128, 128, 4, 1, 2))),  # wo_a (8 groups)
+    (5120, 8192): ((4, DecodeConfig(256, 128, 8, 1, 2)),),  # wo_b (5-8 tokens: the table's row)
+    (4608, 5120): ((4, DecodeConfig(128, 128, 4, 1, 3)),),  # the shared w1 with w3
+    (5120, 2304): ((4, DecodeConfig(128, 128, 4, 1, 4)),),  # the shared w2 (5-8 tokens: the table's row)
+}
 
 
 def mma_gemv_config(m: int, rows: int = 0, k: int = 0) -> DecodeConfig:
