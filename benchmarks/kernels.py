@@ -91,7 +91,8 @@ that takes ``triton_gemv`` (one token; up to ``triton_gemv.MAX_TOKENS`` below ``
 range) again with each of these configs (in the sweep's form: rows, columns a step, warps,
 stages: 1 the weight in registers, more a ring of tiles in shared memory, programs per SM), in the same
 run as the default. ``--tune-layer-gemv`` picks a config per launch of the layer graph of each M that
-takes ``triton_gemv`` or ``triton_mma_gemv`` (``benchmarks/layer_gemv_tune.py``). The command line is ``benchmarks/kernel_args.py``.
+takes ``triton_gemv`` or ``triton_mma_gemv`` (``benchmarks/layer_gemv_tune.py``). The command line is
+``benchmarks/kernel_args.py``.
 
 ``--batch-invariant`` measures the Triton backend's batch-invariant mode (every product in its
 prefill form) instead of the default (split-K decode form at M <= 64).

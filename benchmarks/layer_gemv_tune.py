@@ -52,6 +52,12 @@ def launch_key(specs, names) -> tuple[int, int]:
     return sum(by_name[n].groups * by_name[n].n for n in names), by_name[names[0]].k
 
 
+def with_row(rows, m: int, cfg):
+    """A launch's table ``rows`` with ``cfg`` as its row of bound ``m`` (replacing one of the same bound),
+    in order of bound, so that the rows of fewer tokens still take those tokens."""
+    return tuple(sorted({**dict(rows), m: cfg}.items()))
+
+
 def run_layer_gemv_tune(bench, m: int) -> dict:
     """Each launch's best config at ``m`` tokens, then the layer graph with all of them; the entry is
     returned (``graph_s`` as it runs now, ``tuned_graph_s`` with the picks, ``launches``: every timing)."""
@@ -99,8 +105,7 @@ def run_layer_gemv_tune(bench, m: int) -> dict:
         log(f"tune layer launch M={m} {'+'.join(names):28s} {key}: default {us(base_s)} us -> best {us(best[0])} us "
             f"{cfg_text(best[1]) if best[1] else '(the default)'}")
     del sets
-    # the picks as rows of bound m, before the rows the launches' tables hold now
-    tuned = {key: ((m, cfg), *launch_tables.get(key, ())) for key, cfg in entry["picks"].items()}
+    tuned = {key: with_row(launch_tables.get(key, ()), m, cfg) for key, cfg in entry["picks"].items()}
     entry["graph_s"] = bench.run_layer_graph(m, bench.tk)["graph_s"]
     with override_tables(**{f"{table}_by_shape": {**launch_tables, **tuned}}):
         entry["tuned_graph_s"] = bench.run_layer_graph(m, bench.tk)["graph_s"]

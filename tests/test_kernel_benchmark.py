@@ -145,7 +145,7 @@ def test_the_layer_launches_are_keyed_as_the_kernels_key_them():
     tables come back after."""
     from benchmarks.kernel_inputs import FLASH, LAYER_PAIRS, linear_specs
     from benchmarks.kernel_tune import override_tables
-    from benchmarks.layer_gemv_tune import candidates, launch_key, mma_candidates
+    from benchmarks.layer_gemv_tune import candidates, launch_key, mma_candidates, with_row
     from model.kernels import tile_configs
 
     specs = linear_specs(FLASH)
@@ -174,6 +174,8 @@ def test_the_layer_launches_are_keyed_as_the_kernels_key_them():
         with override_tables(mma_gemv_by_shape={(512, 256): ((8, forced),)}):
             assert tile_configs.mma_gemv_config(8, 512, 256) == forced
             assert tile_configs.mma_gemv_config(8, 1792, 5120) == tile_configs._pick(tile_configs._MMA_GEMV_TABLE, 8)
+        assert with_row(((4, forced), (8, five_to_eight)), 4, entry) == ((4, entry), (8, five_to_eight))
+        assert with_row(((8, five_to_eight),), 4, entry) == ((4, entry), (8, five_to_eight))  # before the 8-row
         assert tile_configs._GEMV_BY_SHAPE == {(1792, 5120): ((1, entry),)}
         assert tile_configs._MMA_GEMV_BY_SHAPE == {(1792, 5120): ((4, forced), (8, five_to_eight))}
     finally:

@@ -83,6 +83,11 @@ class DecodeConfig:
     one_wave: bool = False  # at most ``programs_per_sm`` per SM: no partial second wave of programs
 
 
+# a launch's ``(output rows, K)`` -> its own table (rows of ``(largest M, config)``), read before the table by
+# M (the matrix-vector kernels: ``gemv_config``, ``mma_gemv_config``)
+LaunchTables = dict[tuple[int, int], tuple[tuple[int, DecodeConfig], ...]]
+
+
 # (largest M, config): ``decode_mm`` (the grouped wo_a, the bf16 head), the best single config over a
 # layer's FP8 linears in the sweep of ``benchmarks/kernels.py --tune`` on one H200 (docs/benchmarks.md)
 # when they all took this kernel
@@ -103,10 +108,6 @@ _DECODE_MM_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
 _FP8_DECODE_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
     (64, DecodeConfig(128, 32, 4, 4, 2, one_wave=True)),
 )
-
-
-# a launch's ``(output rows, K)`` -> its own table (rows of ``(largest M, config)``)
-LaunchTables = dict[tuple[int, int], tuple[tuple[int, DecodeConfig], ...]]
 
 
 def decode_mm_config(m: int) -> DecodeConfig:
@@ -192,8 +193,9 @@ _MMA_GEMV_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
 # picks of ``benchmarks/kernels.py --tune-layer-gemv --m 4,8`` (each launch of a V4.1-Flash layer timed
 # alone under 14 candidates) on one H100. The layer graph there, without / with PDL: 109.2 / 102.1 µs at 3
 # tokens against 117.4 / 121.7 with the table alone, 110.4 / 103.5 against 118.8 / 123.8 at 4, 116.2 /
-# 109.2 against 119.6 / 113.4 at 5, 120.0 / 113.4 against 123.7 / 118.0 at 8 (docs/benchmarks.md). The
-# sweep has not run on an H200; its per-projection sweep at 8 tokens had found the same programs per SM
+# 109.2 against 119.6 / 113.4 at 5, 120.0 / 113.4 against 123.7 / 118.0 at 8 (docs/benchmarks.md). This
+# sweep has not run on an H200; there the sweep of each projection alone at 8 tokens (``--tune --m 8``)
+# had found the same programs per SM for ``wq_b``, ``wo_a`` and ``wo_b``
 _MMA_GEMV_BY_SHAPE: LaunchTables = {
     (1792, 5120): ((4, DecodeConfig(128, 128, 4, 1, 3)),),  # wq_a with wkv
     (36864, 1280): ((8, DecodeConfig(128, 128, 4, 1, 2)),),  # wq_b with the indexer's
