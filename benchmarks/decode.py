@@ -293,6 +293,30 @@ def device_busy(prof) -> tuple[float, float]:
     return busy, max(b for _, b in intervals) - intervals[0][0]
 
 
+# the suffixes of --kernels that change ``tile_configs`` for their engine: (attribute, value) pairs
+TABLE_SUFFIXES: dict[str, tuple[tuple[str, object], ...]] = {
+    "notc": (("MMA_GEMV_MAX_TOKENS", 0),),
+    "tc1": (("MMA_GEMV_MIN_TOKENS", 1),),
+    "notcx": (("MMA_EXPERTS_MAX_PAIRS", 0.0),),
+    "sort": (("MMA_EXPERTS_UNSORTED_PAIRS", 0),),
+    "noshape": (("_GEMV_BY_SHAPE", {}), ("_MMA_GEMV_BY_SHAPE", {})),
+}
+
+
+def tile_table_defaults() -> dict[str, object]:
+    """The process's values of every ``tile_configs`` attribute that a suffix changes."""
+    return {attr: getattr(tile_configs, attr) for changes in TABLE_SUFFIXES.values() for attr, _ in changes}
+
+
+def set_tile_tables(suffixes: list[str], defaults: dict[str, object]) -> None:
+    """One engine's ``tile_configs``: ``defaults`` (``tile_table_defaults``), then its suffixes' changes."""
+    settings = dict(defaults)
+    for suffix in suffixes:
+        settings.update(TABLE_SUFFIXES.get(suffix, ()))
+    for attr, value in settings.items():
+        setattr(tile_configs, attr, value)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="model directory (config.json + tokenizer); default: written from --preset")
@@ -342,23 +366,14 @@ def main() -> int:
           f"torch {torch.__version__}; model {args.model}", flush=True)
     batches = [int(b) for b in args.batch.split(",")]
     rows = []
-    default_tensor_core_tokens = tile_configs.MMA_GEMV_MAX_TOKENS
-    default_tensor_core_min_tokens = tile_configs.MMA_GEMV_MIN_TOKENS
-    default_tensor_core_pairs = tile_configs.MMA_EXPERTS_MAX_PAIRS
-    default_unsorted_pairs = tile_configs.MMA_EXPERTS_UNSORTED_PAIRS
-    default_launch_tables = tile_configs._GEMV_BY_SHAPE, tile_configs._MMA_GEMV_BY_SHAPE
+    default_tables = tile_table_defaults()
     for variant in args.kernels.split(","):
         kernels, *suffixes = variant.split("-")
         batch_invariant, eager, zos = "bi" in suffixes, "eager" in suffixes, "nozos" not in suffixes
-        if {"notc", "notcx", "tc1", "sort", "noshape"} & set(suffixes) and args.dp != 1:
-            parser.error("-notc, -notcx, -tc1, -sort and -noshape set tile tables of this process: they need the "
-                         "in-process engine (--dp 1)")
-        tile_configs.MMA_GEMV_MAX_TOKENS = 0 if "notc" in suffixes else default_tensor_core_tokens
-        tile_configs.MMA_GEMV_MIN_TOKENS = 1 if "tc1" in suffixes else default_tensor_core_min_tokens
-        tile_configs.MMA_EXPERTS_MAX_PAIRS = 0.0 if "notcx" in suffixes else default_tensor_core_pairs
-        tile_configs.MMA_EXPERTS_UNSORTED_PAIRS = 0 if "sort" in suffixes else default_unsorted_pairs
-        tile_configs._GEMV_BY_SHAPE = {} if "noshape" in suffixes else default_launch_tables[0]
-        tile_configs._MMA_GEMV_BY_SHAPE = {} if "noshape" in suffixes else default_launch_tables[1]
+        if set(TABLE_SUFFIXES) & set(suffixes) and args.dp != 1:
+            parser.error(f"{', '.join('-' + s for s in TABLE_SUFFIXES)} set tile tables of this process: they need "
+                         "the in-process engine (--dp 1)")
+        set_tile_tables(suffixes, default_tables)
         runnable = [b for b in batches if kernels != "reference" or b <= args.reference_max_batch]
         if not runnable:
             continue

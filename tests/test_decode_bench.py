@@ -121,3 +121,24 @@ def test_the_share_outside_the_graph_replays_is_what_the_replays_leave_of_a_step
     assert outside_graphs_pct(7.42e-3, 7296.0) == pytest.approx(100 * 124 / 7420)
     assert outside_graphs_pct(1e-3, 1000.5) == 0.0  # event and host clocks differ by a little
     assert outside_graphs_pct(1e-3, None) is None
+
+
+def test_a_variants_suffixes_set_its_tile_tables_and_the_next_variant_gets_the_defaults_back():
+    """``--kernels triton-noshape,triton-tc1,triton``: each engine's ``tile_configs`` are the process's
+    defaults plus its own suffixes' changes; ``-noshape`` sets both matrix-vector kernels' per-launch
+    tables aside."""
+    from benchmarks.decode import set_tile_tables, tile_table_defaults
+    from model.kernels import tile_configs
+
+    defaults = tile_table_defaults()
+    try:
+        set_tile_tables(["noshape"], defaults)
+        assert tile_configs._GEMV_BY_SHAPE == {} and tile_configs._MMA_GEMV_BY_SHAPE == {}
+        assert tile_configs.MMA_GEMV_MIN_TOKENS == defaults["MMA_GEMV_MIN_TOKENS"]
+        set_tile_tables(["tc1", "eager"], defaults)  # (a suffix of no table changes none)
+        assert tile_configs.MMA_GEMV_MIN_TOKENS == 1
+        assert tile_configs._MMA_GEMV_BY_SHAPE is defaults["_MMA_GEMV_BY_SHAPE"]
+        set_tile_tables([], defaults)
+        assert tile_table_defaults() == defaults
+    finally:
+        set_tile_tables([], defaults)
