@@ -16,12 +16,14 @@ memory, no warpgroup synchronisation, the scale factors made once per 32 columns
 word. The product's 8 columns are a block's 8 pairs.
 
 Work: each warp owns four 16-row groups of the weight: the gate/up kernel the same 32 rows of ``w1``
-and of ``w3``, the down kernel 64 rows of ``w2``. A loop step is 64 columns: per group one 16-byte
-load of a lane's four words (``fp4_fragments``: 64 consecutive columns' words of a lane are
-contiguous) and the two 16-bit scale pairs of its rows; the lane's B fragments (pair g's activation at
-the K slots its words hold) are one 32-byte load, because the activation rows are stored in the
+and of ``w3``, the down kernel 64 rows of ``w2``. A loop step is 64 columns: per group a lane's four
+words, 16 contiguous bytes (``fp4_fragments``: 64 consecutive columns' words of a lane are
+contiguous), and the two 16-bit scale pairs of its rows; the lane's B fragments (pair g's activation at
+the K slots its words hold) are 32 contiguous bytes, because the activation rows are stored in the
 fragment layout's column order (``triton_weight_tiles.fragment_column``: by ``act_quant_bf16`` for the
-tokens, by the gate/up kernel itself for its output). Loads are issued one step ahead of their use.
+tokens, by the gate/up kernel itself for its output). Triton compiles those loads to 8-byte loads (two
+and four per lane); one 16-byte load in PTX measured no faster (docs/benchmarks.md). Loads are issued
+one step ahead of their use.
 
 A step of at most ``tile_configs.MMA_EXPERTS_UNSORTED_PAIRS`` pairs (one token's) skips the pair sort
 (``triton_moe.align_pairs``): each pair is a block of its own, in pair order, and the kernels read the
