@@ -22,8 +22,8 @@ contiguous), and the two 16-bit scale pairs of its rows; the lane's B fragments 
 the K slots its words hold) are 32 contiguous bytes, because the activation rows are stored in the
 fragment layout's column order (``triton_weight_tiles.fragment_column``: by ``act_quant_bf16`` for the
 tokens, by the gate/up kernel itself for its output). Triton compiles those loads to 8-byte loads (two
-and four per lane); one 16-byte load in PTX measured no faster (docs/benchmarks.md). Loads are issued
-one step ahead of their use.
+and four per lane); a 16-byte load in PTX came within 3% of them on one H100 and changed nothing in the
+engine's decode (docs/benchmarks.md). Loads are issued one step ahead of their use.
 
 A step of at most ``tile_configs.MMA_EXPERTS_UNSORTED_PAIRS`` pairs (one token's) skips the pair sort
 (``triton_moe.align_pairs``): each pair is a block of its own, in pair order, and the kernels read the
