@@ -106,20 +106,18 @@ def test_chat_response_format_json_schema_and_json_object(client):
     model = client.models.list().data[0].id
     messages = [{"role": "user", "content": "Give me the user as JSON."}]
     schema = SCHEMAS["nested_object"]
-    for seed in SEEDS:
-        r = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, **_sampling(seed),
-                                           response_format={"type": "json_schema", "json_schema": {
-                                               "name": "user", "schema": schema, "strict": True}})
-        choice = r.choices[0]
-        if choice.finish_reason == "stop":
-            jsonschema.validate(json.loads(choice.message.content), schema)
-    outcomes = []
-    for seed in SEEDS:
-        r = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, **_sampling(seed),
-                                           response_format={"type": "json_object"})
-        choice = r.choices[0]
-        outcomes.append(choice.finish_reason)
-        if choice.finish_reason == "stop":
+    formats = {"json_schema": {"type": "json_schema", "json_schema": {"name": "user", "schema": schema, "strict": True}},
+               "json_object": {"type": "json_object"}}
+    jobs = [(kind, seed) for kind in formats for seed in SEEDS]
+    results = _parallel(lambda job: client.chat.completions.create(
+        model=model, messages=messages, max_tokens=MAX_TOKENS, response_format=formats[job[0]],
+        **_sampling(job[1])).choices[0], jobs)
+    for (kind, seed), choice in zip(jobs, results):
+        assert choice.finish_reason in ("stop", "length"), (kind, seed, choice)
+        if kind == "json_schema":
+            if choice.finish_reason == "stop":
+                jsonschema.validate(json.loads(choice.message.content), schema)
+        elif choice.finish_reason == "stop":
             assert isinstance(json.loads(choice.message.content), dict)
         else:  # cut short: still the start of an object
             assert choice.message.content.startswith("{")
@@ -136,32 +134,39 @@ def test_regex_full_match_and_choice(client):
             assert re.fullmatch(pattern, choice.text), (pattern, seed, choice.text)
     assert stopped >= len(jobs) // 2
     choices = ["red", "green", "blue sky", "ünïcode ✓"]
-    for seed in SEEDS:
-        choice = _complete(client, seed=seed, guided_choice=choices)
-        assert choice.finish_reason == "stop" and choice.text in choices, choice
     grammar = 'root ::= "(" num ("," num)* ")"\nnum ::= [1-9] [0-9]?'
-    for seed in SEEDS:
-        choice = _complete(client, seed=seed, guided_grammar=grammar)
-        if choice.finish_reason == "stop":
+    constraints = {"choice": {"guided_choice": choices}, "grammar": {"guided_grammar": grammar}}
+    jobs = [(kind, seed) for kind in constraints for seed in SEEDS]
+    results = _parallel(lambda job: _complete(client, seed=job[1], **constraints[job[0]]), jobs)
+    for (kind, seed), choice in zip(jobs, results):
+        if kind == "choice":
+            assert choice.finish_reason == "stop" and choice.text in choices, choice
+        elif choice.finish_reason == "stop":
             assert re.fullmatch(r"\([1-9][0-9]?(,[1-9][0-9]?)*\)", choice.text), choice.text
 
 
 def test_streaming_equals_non_streaming(client):
     model = client.models.list().data[0].id
-    for seed in (None, 7):
-        for extra in ({"guided_json": SCHEMAS["optional_fields"]}, {"guided_regex": r"[a-z]{3,8}\d"}):
-            full = _complete(client, seed=seed, **extra)
-            stream = client.completions.create(model=model, prompt="Answer:", max_tokens=MAX_TOKENS, stream=True,
-                                               extra_body=extra, **_sampling(seed))
-            chunks = list(stream)
-            text = "".join(c.choices[0].text for c in chunks if c.choices)
-            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-            assert text == full.text and finish == [full.finish_reason]
+
+    def streamed_and_full(job):
+        seed, extra = job
+        stream = client.completions.create(model=model, prompt="Answer:", max_tokens=MAX_TOKENS, stream=True,
+                                           extra_body=extra, **_sampling(seed))
+        chunks = list(stream)
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        return text, finish, _complete(client, seed=seed, **extra)
+
+    # the jobs run side by side: each request's output does not depend on its batch
+    jobs = [(seed, extra) for seed in (None, 7)
+            for extra in ({"guided_json": SCHEMAS["optional_fields"]}, {"guided_regex": r"[a-z]{3,8}\d"})]
+    for text, finish, full in _parallel(streamed_and_full, jobs):
+        assert text == full.text and finish == [full.finish_reason]
 
 
 def test_max_tokens_mid_object_is_length(client):
-    for seed in SEEDS:
-        choice = _complete(client, seed=seed, max_tokens=3, guided_json=SCHEMAS["nested_object"])
+    for choice in _parallel(lambda seed: _complete(client, seed=seed, max_tokens=3, guided_json=SCHEMAS["nested_object"]),
+                            SEEDS):
         assert choice.finish_reason == "length"
         assert choice.text.startswith("{")
         with pytest.raises(json.JSONDecodeError):
