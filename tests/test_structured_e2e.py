@@ -106,7 +106,8 @@ def test_chat_response_format_json_schema_and_json_object(client):
     model = client.models.list().data[0].id
     messages = [{"role": "user", "content": "Give me the user as JSON."}]
     schema = SCHEMAS["nested_object"]
-    formats = {"json_schema": {"type": "json_schema", "json_schema": {"name": "user", "schema": schema, "strict": True}},
+    formats = {"json_schema": {"type": "json_schema",
+                               "json_schema": {"name": "user", "schema": schema, "strict": True}},
                "json_object": {"type": "json_object"}}
     jobs = [(kind, seed) for kind in formats for seed in SEEDS]
     results = _parallel(lambda job: client.chat.completions.create(
@@ -165,8 +166,9 @@ def test_streaming_equals_non_streaming(client):
 
 
 def test_max_tokens_mid_object_is_length(client):
-    for choice in _parallel(lambda seed: _complete(client, seed=seed, max_tokens=3, guided_json=SCHEMAS["nested_object"]),
-                            SEEDS):
+    cut_short = _parallel(lambda seed: _complete(client, seed=seed, max_tokens=3, guided_json=SCHEMAS["nested_object"]),
+                          SEEDS)
+    for choice in cut_short:
         assert choice.finish_reason == "length"
         assert choice.text.startswith("{")
         with pytest.raises(json.JSONDecodeError):
