@@ -93,8 +93,8 @@ def _local_memory_in_loops(sass: str) -> list[str]:
 def _dependent_launch_problems(ptx: str, prefetch: bool) -> list[str]:
     """Problems of a kernel compiled for programmatic dependent launch (``triton_dependent_launch``): it
     must wait for the previous kernel, let the next one start after that, and write nothing (store,
-    atomic) before its wait; with ``prefetch`` it loads (or fetches into L2) some weight before the wait,
-    without it nothing."""
+    atomic) before its wait; with ``prefetch`` it loads (or fetches into L2, or has the tensor memory
+    accelerator copy) some weight before the wait, without it nothing."""
     lines = ptx.splitlines()
     wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), None)
     start = next((i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line), None)
@@ -104,7 +104,7 @@ def _dependent_launch_problems(ptx: str, prefetch: bool) -> list[str]:
     before = lines[:wait]
     if any(re.search(r"\b(st|atom|red)\.global", line) for line in before):
         problems.append("writes global memory before its wait")
-    loads = sum(bool(re.search(r"\b(ld|prefetch)\.global", line)) for line in before)
+    loads = sum(bool(re.search(r"\b(ld|prefetch)\.global|cp\.async\.bulk\.tensor", line)) for line in before)
     if prefetch and not loads:
         problems.append("loads no weight before its wait")
     if not prefetch and loads:
@@ -140,17 +140,18 @@ def main() -> int:
                                triton_decode_mm, triton_engram, triton_gemv, triton_greedy, triton_mma_experts,
                                triton_mma_gemv, triton_join_lists, triton_fp4_round_trip, triton_hc_coefficients,
                                triton_index_scores, triton_mhc, triton_moe, triton_moe_sum, triton_ngram_hash,
-                               triton_rms_norm, triton_rope, triton_route, triton_scaled_mm, triton_sinkhorn,
-                               triton_sparse_attention, triton_top_entries)
+                               triton_ring_mma_gemv, triton_rms_norm, triton_rope, triton_route, triton_scaled_mm,
+                               triton_sinkhorn, triton_sparse_attention, triton_top_entries)
+    from model.kernels.triton_gluon import GluonASTSource
 
     hopper = GPUTarget("cuda", 90, 32)
 
     def check(label: str, fn, types: dict[str, str], constants: dict, cfg=None, wgmma: bool = True,
               options: dict | None = None, aligned: tuple[str, ...] = (), spill_free: bool = False,
-              inspect=None, pdl: bool = False, prefetch: bool = False) -> None:
+              inspect=None, pdl: bool = False, prefetch: bool = False, gluon: bool = False) -> None:
         """``pdl``: compiled for programmatic dependent launch (its ``PDL`` and ``launch_pdl`` set together,
         as ``triton_dependent_launch.launch_arguments`` sets them), its PTX checked for the order of its
-        wait (``prefetch``: it loads weights before it)."""
+        wait (``prefetch``: it loads weights before it); ``gluon``: a Gluon kernel (``triton_gluon``)."""
         signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
         if options is None:
             options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} if cfg else {"num_warps": 4}
@@ -159,8 +160,9 @@ def main() -> int:
             options = {**options, "launch_pdl": pdl}
             label += f" pdl={pdl}"
         attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
-                                target=hopper, options=options)
+        source = GluonASTSource(fn, signature, constexprs=constants, attrs=attrs) if gluon else \
+            ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
+        kernel = triton.compile(source, target=hopper, options=options)
         problems = []
         if wgmma and "wgmma" not in kernel.asm["ptx"]:
             problems.append("compiled without wgmma")
@@ -258,6 +260,14 @@ def main() -> int:
     def streamed_by_tma(kernel) -> list[str]:
         return [] if "UTMALDG" in kernel.asm["sass"] else ["no tensor-memory-accelerator load"]
 
+    def ring_fed(kernel) -> list[str]:
+        """A ring that feeds ``mma.sync``: TMA loads, 8-byte reads of shared memory, the m16n8k16 product."""
+        sass = kernel.asm["sass"]
+        return [problem for problem, found in (("no tensor-memory-accelerator load", "UTMALDG" in sass),
+                                               ("no 8-byte shared-memory read", re.search(r"LDS\.64", sass)),
+                                               ("no HMMA.16816.F32 tensor-core instruction", "HMMA.16816.F32" in sass))
+                if not found]
+
     # the tables' configs (by M, with the token counts each takes; by a launch's shape, up to its bound) and
     # the one of weights the accelerator cannot stream (any token count)
     gemv_configs, fewer = {}, 0
@@ -306,6 +316,29 @@ def main() -> int:
                   aligned=("x_ptr", "w_ptr", "s_ptr", "w2_ptr", "s2_ptr", "out_ptr", "part_ptr", "act_ptr",
                            "act_scale_ptr", "N", "N2", "stride_x", "k_per_split", "width"),
                   spill_free=True, inspect=register_fed(cfg.num_warps, "HMMA.16816.F32"), pdl=pdl, prefetch=True)
+    # the same configs with a ring (triton_ring_mma_gemv, a Gluon kernel): the tables' and a shallow and a deep
+    # one of each step the sweep tries
+    ring_configs = {(cfg.block_w, cfg.block_k, cfg.num_warps, cfg.num_stages): cfg for cfg in
+                    [cfg for _, cfg in tile_configs._MMA_GEMV_TABLE] + launch_configs if cfg.num_stages > 1}
+    for cfg in list(kernels.values()):
+        for stages in (2, 4):
+            ring_configs.setdefault((cfg.block_w, cfg.block_k, cfg.num_warps, stages), replace(cfg, num_stages=stages))
+    for cfg in ring_configs.values():
+        ring_layout, words_layout = triton_ring_mma_gemv.ring_layouts(cfg.block_k // 32)
+        box = f"tensordesc<u8[{cfg.block_w},{cfg.block_k}],{ring_layout!r}>"
+        for tokens, quantize, partial, pdl in ((4, True, False, False), (8, False, True, True)):
+            check(f"fp8_ring_mma_gemv tokens={tokens} quantize={quantize} partial={partial} {cfg}",
+                  triton_ring_mma_gemv._ring_mma_gemv_kernel,
+                  {"w_desc": box, "w2_desc": box, "s_ptr": "*u8", "s2_ptr": "*u8", "x_ptr": "*bf16",
+                   "out_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32", "act_ptr": "*fp16",
+                   "act_scale_ptr": "*fp32", **scalars("M N N2 stride_x k_per_split splits width")},
+                  {"K": 5120, "TOKENS": tokens, "WARPS": cfg.num_warps, "STEP_BLOCKS": cfg.block_k // 32,
+                   "STAGES": cfg.num_stages, "QUANTIZE": quantize, "PARTIAL": partial, "RING_LAYOUT": ring_layout,
+                   "WORDS_LAYOUT": words_layout},
+                  options={"num_warps": cfg.num_warps}, wgmma=False, gluon=True,
+                  aligned=("s_ptr", "s2_ptr", "x_ptr", "out_ptr", "part_ptr", "act_ptr", "act_scale_ptr", "N",
+                           "N2", "stride_x", "k_per_split", "width"),
+                  spill_free=True, inspect=ring_fed, pdl=pdl, prefetch=True)
     experts_cfg = tile_configs._MMA_EXPERTS_TABLE[0][1]
     for cfg in (experts_cfg, replace(experts_cfg, num_warps=1)):  # (the check ignores types a kernel lacks)
         experts_sizes = {"D": 5120, "INTER": 2304, "WARPS": cfg.num_warps, "INTERPRETED": False}

@@ -173,6 +173,11 @@ def gemv_config(m: int, rows: int = 0, k: int = 0) -> DecodeConfig:
 MMA_GEMV_MIN_TOKENS = 3
 MMA_GEMV_MAX_TOKENS = 8
 
+# ``triton_mma_gemv``'s configs with a ring (``num_stages`` > 1) stream the weight through shared memory
+# (``triton_ring_mma_gemv``) on GPUs that have the tensor memory accelerator; off: every config's ring is
+# set aside and the weight comes into registers (the benchmarks' comparison)
+MMA_GEMV_RING = True
+
 # (largest M, config): ``triton_mma_gemv``. ``block_w`` is the program's weight rows (32 per warp,
 # ``num_warps`` warps), ``block_k`` its loop step, one, two or four 32-column blocks (its splits are
 # whole steps). Up to 4 tokens: with one block per step a warp keeps 1 KB of loads in flight, and an H200

@@ -88,14 +88,16 @@ def fetch_into_l2(ptrs, PDL: tl.constexpr):
 
 
 @functools.lru_cache(maxsize=None)
-def _capability(device_index: int) -> int:
+def compute_capability(device_index: int) -> int:
+    """The major compute capability of a CUDA device (9: Hopper), asked once per device."""
     return torch.cuda.get_device_capability(device_index)[0]
 
 
 def dependent_launch(requested: bool, device: torch.device) -> bool:
     """Whether a kernel for ``device`` is launched with PDL: asked for, compiled (not interpreted) and
     a GPU that has it."""
-    return requested and not INTERPRETED and device.type == "cuda" and _capability(device.index or 0) >= MIN_CAPABILITY
+    return (requested and not INTERPRETED and device.type == "cuda"
+            and compute_capability(device.index or 0) >= MIN_CAPABILITY)
 
 
 def launch_arguments(requested: bool, device: torch.device) -> dict[str, bool]:

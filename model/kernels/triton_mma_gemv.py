@@ -59,10 +59,12 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tile_configs
 from .tile_configs import mma_gemv_config
 from .triton_common import INTERPRETED, quantize_blocks, sm_count, to_bf16
 from .triton_decode_mm import split_count
-from .triton_dependent_launch import launch_arguments, let_next_kernel_start, wait_for_previous_kernel
+from .triton_dependent_launch import (compute_capability, launch_arguments, let_next_kernel_start,
+                                      wait_for_previous_kernel)
 from .triton_gemv import fits
 from .triton_split_sums import last_to_arrive, reset_counter, split_counters, sum_partials
 from .triton_warp_fragments import warp_lanes
@@ -308,14 +310,10 @@ def _fp8_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr,
         sums = _add_step(sums, w_odd, x_odd, STEP_BLOCKS, INTERPRETED)
     else:
         sums = _add_step(sums, w_even, x_even, STEP_BLOCKS, INTERPRETED)
-    a0, a1, a2, a3, b0, b1, b2, b3 = sums
 
     # 4. each lane's eight sums to their places: [splits, M, width] fp32 partials or the bf16 output
-    token = 2 * t
-    column = first_col + warp_row + g
     destination = part_ptr + split * M * width if PARTIAL else out_ptr
-    _store_sums(destination, a0, a1, a2, a3, token, column, width, M, live, PARTIAL, INTERPRETED)
-    _store_sums(destination, b0, b1, b2, b3, token, column + 16, width, M, live, PARTIAL, INTERPRETED)
+    store_lane_sums(destination, sums, t, first_col + warp_row + g, width, M, live, PARTIAL, INTERPRETED)
     if PARTIAL:
         counter_ptr += group * tl.num_programs(0) + pid_w
         if last_to_arrive(counter_ptr, splits):
@@ -325,6 +323,15 @@ def _fp8_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr,
             total = sum_partials(part_ptr + places, splits, M * width, mask)
             tl.store(out_ptr + places, to_bf16(total, INTERPRETED), mask=mask)
             reset_counter(counter_ptr)
+
+
+@triton.jit
+def store_lane_sums(destination, sums, t, column, width, M, live, PARTIAL: tl.constexpr, INTERPRETED: tl.constexpr):
+    """A lane's eight sums (rows ``column``, ``+ 8``, ``+ 16``, ``+ 24`` x tokens ``2t``, ``2t + 1``) to
+    ``destination`` (``[M, width]``, fp32 partials or the bf16 output)."""
+    a0, a1, a2, a3, b0, b1, b2, b3 = sums
+    _store_sums(destination, a0, a1, a2, a3, 2 * t, column, width, M, live, PARTIAL, INTERPRETED)
+    _store_sums(destination, b0, b1, b2, b3, 2 * t, column + 16, width, M, live, PARTIAL, INTERPRETED)
 
 
 @triton.jit
@@ -350,7 +357,9 @@ def fp8_mma_gemv(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Te
     """``x [M, G*K]`` bf16 (1 <= M <= 8) times one or two FP8 weights ``(values [G*N, K], scales
     [G*N/32, K/32])`` -> ``[M, G*N (+ N2)]`` bf16, the second weight's outputs after the first's (two
     weights: G = 1); ``quantize``: the activation's FP8 round trip per 32 first; ``pdl``: programmatic
-    dependent launch where the GPU has it (``triton_dependent_launch``)."""
+    dependent launch where the GPU has it (``triton_dependent_launch``). A config with a ring
+    (``num_stages`` > 1) streams the weight through shared memory (``triton_ring_mma_gemv``: the same
+    bits) where the GPU and the weight allow it (``ring_takes``) and ``tile_configs.MMA_GEMV_RING`` is on."""
     m = x.shape[0]
     k = x.shape[1] // groups
     (values, scales), second = weights[0], weights[1:]
@@ -380,6 +389,12 @@ def fp8_mma_gemv(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Te
     programs = tiles * splits * groups
     act = torch.empty(programs, k_per_split // BLOCK, tokens, BLOCK, dtype=torch.float16, device=x.device)
     act_scales = torch.empty(programs, k_per_split // BLOCK, tokens, dtype=torch.float32, device=x.device)
+    if cfg.num_stages > 1 and tile_configs.MMA_GEMV_RING and all(ring_takes(v) for v, _ in weights):
+        # (imported here: the ring's kernel is built from this module's functions)
+        from .triton_ring_mma_gemv import launch_ring
+        launch_ring((tiles, splits, groups), x, weights, out, partials, act, act_scales, m, n, n2, k_per_split, splits,
+                    width, k, tokens, quantize, cfg, pdl)
+        return out
     w, s = values.view(torch.uint8), scales.view(torch.uint8)
     w2, s2 = (second[0][0].view(torch.uint8), second[0][1].view(torch.uint8)) if second else (w, s)
     _fp8_mma_gemv_kernel[(tiles, splits, groups)](
@@ -388,3 +403,10 @@ def fp8_mma_gemv(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Te
         STEP_BLOCKS=cfg.block_k // BLOCK, QUANTIZE=quantize, PARTIAL=splits > 1, INTERPRETED=INTERPRETED,
         num_warps=cfg.num_warps, **launch_arguments(pdl, x.device))
     return out
+
+
+def ring_takes(values: torch.Tensor) -> bool:
+    """Whether ``triton_ring_mma_gemv`` can stream this weight: on a GPU with the tensor memory
+    accelerator (Hopper on), from a 16-byte aligned start (its rule)."""
+    return values.is_cuda and not INTERPRETED and values.data_ptr() % 16 == 0 and \
+        compute_capability(values.device.index or 0) >= 9
