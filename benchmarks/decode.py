@@ -300,6 +300,7 @@ TABLE_SUFFIXES: dict[str, tuple[tuple[str, object], ...]] = {
     "notcx": (("MMA_EXPERTS_MAX_PAIRS", 0.0),),
     "sort": (("MMA_EXPERTS_UNSORTED_PAIRS", 0),),
     "noshape": (("_GEMV_BY_SHAPE", {}), ("_MMA_GEMV_BY_SHAPE", {})),
+    "noring": (("MMA_GEMV_RING", False),),
 }
 
 
@@ -328,8 +329,9 @@ def main() -> int:
                              "registers (triton_mma_gemv), -notcx the routed experts on triton_moe instead of "
                              "triton_mma_experts, -tc1 one and two tokens' FP8 products on triton_mma_gemv too "
                              "instead of triton_gemv, -sort triton_mma_experts' pair sort in every step, -noshape "
-                             "the matrix-vector kernels' per-launch configs set aside (the tables by M only; these "
-                             "five: in-process engine only), -pdl programmatic dependent launch on (--enable-pdl) "
+                             "the matrix-vector kernels' per-launch configs set aside (the tables by M only), -noring "
+                             "triton_mma_gemv's weight into registers even where its config has a ring (the same "
+                             "configs, not the tables from before the ring; these six: in-process engine only), -pdl programmatic dependent launch on (--enable-pdl) "
                              "for that run")
     parser.add_argument("--batch", default="1,8,32,128,256", help="sequences per DP rank")
     parser.add_argument("--dp", type=int, default=1,

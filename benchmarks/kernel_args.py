@@ -37,6 +37,10 @@ def parse_args(argv=None, description: str = ""):
                    help="FP8 products of tile_configs.MMA_GEMV_MIN_TOKENS (3) to this many tokens take the tensor-core "
                         "matrix-vector kernel (triton_mma_gemv; 0: none; default: tile_configs.MMA_GEMV_MAX_TOKENS); "
                         "LO-HI: from LO to HI tokens (1-8: one and two tokens too)")
+    p.add_argument("--no-ring", action="store_true",
+                   help="triton_mma_gemv's configs with a ring take the weight into registers instead "
+                        "(tile_configs.MMA_GEMV_RING off: no triton_ring_mma_gemv; the same configs, not the "
+                        "tables from before the ring)")
     p.add_argument("--tensor-core-experts", type=float, default=None,
                    help="routed experts with at most this many pairs per expert on average take the tensor-core "
                         "kernels fed from registers (triton_mma_experts; 0: none; default: "

@@ -458,6 +458,8 @@ def main(argv=None) -> int:
         if low:
             tile_configs.MMA_GEMV_MIN_TOKENS = int(low)
         tile_configs.MMA_GEMV_MAX_TOKENS = int(high)
+    if args.no_ring:
+        tile_configs.MMA_GEMV_RING = False
     if args.tensor_core_experts is not None:
         tile_configs.MMA_EXPERTS_MAX_PAIRS = args.tensor_core_experts
     if args.unsorted_pairs is not None:

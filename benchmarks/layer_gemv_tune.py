@@ -37,12 +37,25 @@ def candidates():
 def mma_candidates():
     """``triton_mma_gemv``'s: 2, 4 or 8 warps (32 rows each); steps of four 32-column blocks (the best of
     the per-projection sweep at 8 tokens on one H200) or of one and two; 1-8 programs per SM (3 of 4 warps
-    fit at four blocks a step: docs/benchmarks.md)."""
+    fit at four blocks a step: docs/benchmarks.md), the weight into registers; then those with a ring
+    (``ring_candidates``)."""
     from model.kernels.tile_configs import DecodeConfig
 
     four_blocks = [DecodeConfig(32 * warps, 128, warps, 1, pps) for warps, counts in ((2, (2, 4, 6, 8)),
                    (4, (1, 2, 3, 4)), (8, (1, 2))) for pps in counts]
-    return four_blocks + [DecodeConfig(128, step, 4, 1, pps) for step in (32, 64) for pps in (4, 8)]
+    return four_blocks + [DecodeConfig(128, step, 4, 1, pps) for step in (32, 64) for pps in (4, 8)] + \
+        ring_candidates()
+
+
+def ring_candidates():
+    """``triton_mma_gemv``'s configs with a ring (``triton_ring_mma_gemv``): 4 warps, steps of four blocks
+    (16 KB a slot), rings of 2-4 slots, 1-3 programs per SM (up to ~150 KB of shared memory); 2 warps with
+    rings of 4 and 6; 8 warps with 2; steps of two blocks with rings of 4 and 6."""
+    from model.kernels.tile_configs import DecodeConfig
+
+    four_warps = [DecodeConfig(128, 128, 4, ring, pps) for ring in (2, 3, 4) for pps in (1, 2, 3)]
+    return four_warps + [DecodeConfig(64, 128, 2, ring, pps) for ring in (4, 6) for pps in (2, 4)] + \
+        [DecodeConfig(256, 128, 8, 2, 1)] + [DecodeConfig(128, 64, 4, ring, pps) for ring in (4, 6) for pps in (2, 4)]
 
 
 def launch_key(specs, names) -> tuple[int, int]:
