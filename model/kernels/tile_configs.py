@@ -198,15 +198,18 @@ _MMA_GEMV_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
 # picks of ``benchmarks/kernels.py --tune-layer-gemv --m 4,8`` (each launch of a V4.1-Flash layer timed
 # alone under 14 candidates) on one H100. The layer graph there, without / with PDL: 109.2 / 102.1 µs at 3
 # tokens against 117.4 / 121.7 with the table alone, 110.4 / 103.5 against 118.8 / 123.8 at 4, 116.2 /
-# 109.2 against 119.6 / 113.4 at 5, 120.0 / 113.4 against 123.7 / 118.0 at 8 (docs/benchmarks.md). This
-# sweep has not run on an H200; there the sweep of each projection alone at 8 tokens (``--tune --m 8``)
-# had found the same programs per SM for ``wq_b``, ``wo_a`` and ``wo_b``
+# 109.2 against 119.6 / 113.4 at 5, 120.0 / 113.4 against 123.7 / 118.0 at 8 (docs/benchmarks.md). Then
+# the same sweep over configs with a ring (``triton_ring_mma_gemv``, ``layer_gemv_tune.ring_candidates``),
+# each against these rows, on one H100: the rows with ``num_stages`` > 1 won. The layer graph without PDL
+# went 110.6 -> 104.7 µs at 4 tokens and 119.3 -> 114.3 at 8; ``wq_a`` with ``wkv`` and the shared ``w2``
+# kept their registers (docs/benchmarks.md). Neither sweep has run on an H200
 _MMA_GEMV_BY_SHAPE: LaunchTables = {
     (1792, 5120): ((4, DecodeConfig(128, 128, 4, 1, 3)),),  # wq_a with wkv
-    (36864, 1280): ((8, DecodeConfig(128, 128, 4, 1, 2)),),  # wq_b with the indexer's
-    (8192, 4096): ((4, DecodeConfig(256, 128, 8, 1, 2)), (8, DecodeConfig(128, 128, 4, 1, 2))),  # wo_a (8 groups)
-    (5120, 8192): ((4, DecodeConfig(256, 128, 8, 1, 2)),),  # wo_b (5-8 tokens: the table's row)
-    (4608, 5120): ((4, DecodeConfig(128, 128, 4, 1, 3)),),  # the shared w1 with w3
+    # wq_b with the indexer's
+    (36864, 1280): ((4, DecodeConfig(128, 128, 4, 2, 2)), (8, DecodeConfig(256, 128, 8, 2, 1))),
+    (8192, 4096): ((4, DecodeConfig(128, 128, 4, 2, 3)), (8, DecodeConfig(128, 128, 4, 2, 2))),  # wo_a (8 groups)
+    (5120, 8192): ((8, DecodeConfig(128, 64, 4, 4, 4)),),  # wo_b
+    (4608, 5120): ((4, DecodeConfig(128, 128, 4, 2, 3)),),  # the shared w1 with w3 (5-8 tokens: the table's row)
     (5120, 2304): ((4, DecodeConfig(128, 128, 4, 1, 4)),),  # the shared w2 (5-8 tokens: the table's row)
 }
 
