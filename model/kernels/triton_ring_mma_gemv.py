@@ -14,19 +14,26 @@ tile, and plain Triton picks the layout of a loaded tile itself. This kernel is 
 (``triton_gluon``), where the layout is ours to say.
 
 The ring: ``STAGES`` slots of one loop step each (``STEP_BLOCKS`` 32-column blocks of the program's
-``32 * WARPS`` rows, one TMA box per block, one mbarrier per slot). The program asks for the first
-``STAGES`` steps before anything else (before its wait under programmatic dependent launch: the
-weight does not depend on the kernel before). At each step it waits for its slot, every thread reads
-its fragments out of it, all threads meet at a barrier, and the slot is asked for again with the step
-``STAGES`` further on, before the step's products: up to ``STAGES`` steps stream while it computes.
+``32 * WARPS`` rows: one TMA box and one mbarrier per slot). The program asks for the first ``STAGES``
+steps before anything else (before its wait under programmatic dependent launch: the weight does not
+depend on the kernel before). At each step it waits for its slot, every thread reads its fragments out
+of it, all threads meet at a barrier, and the slot is asked for again with the step ``STAGES`` further
+on, before the step's products: up to ``STAGES`` steps stream while it computes.
 
-Fragments: a block's box is ``[32 * WARPS, 32]`` bytes, row after row, read as ``[32 * WARPS, 4]``
-8-byte words. Lane ``(g, t)`` of warp ``w`` reads word ``t`` of its rows ``32w + g``, ``+ 8``, ``+ 16``,
-``+ 24``: the ``triton_mma_gemv`` fragments (its docstring), now one ``ld.shared.b64`` each. A warp's
-32 lanes read eight whole 32-byte rows at a time, 256 consecutive bytes: no bank conflict, no
-swizzle needed. The activation (its preparation into a scratch area per program, its loads one step
-ahead), the products (``mma.sync`` through the same PTX), the scales and the split sums are
-``triton_mma_gemv``'s own functions.
+Fragments: a slot holds rows of ``32 * STEP_BLOCKS`` bytes, read as 8-byte words. Lane ``(g, t)`` of
+warp ``w`` reads word ``t`` of each block of its rows ``32w + g``, ``+ 8``, ``+ 16``, ``+ 24``: the
+``triton_mma_gemv`` fragments (its docstring), now one ``ld.shared.b64`` each. A warp reads eight rows
+at a time. Rows of 64 or 128 bytes would put those eight on the same banks, so the TMA swizzles each
+row's 16-byte chunks (``ring_layouts``) and the lanes read them through the same swizzle: a warp's
+256 bytes then take two passes over the 32 banks, the fewest they can. The activation (its preparation
+into a scratch area per program, its loads one step ahead), the products (``mma.sync`` through the same
+PTX), the scales and the split sums are ``triton_mma_gemv``'s own functions.
+
+Measured (one H100, docs/benchmarks.md): taken where the per-launch sweep found it faster
+(``tile_configs._MMA_GEMV_BY_SHAPE``), the layer's projections went 110.6 -> 104.7 µs at 4 tokens and
+119.3 -> 114.3 at 8. At one and two tokens it stays well behind ``triton_gemv`` (102.4 / 101.0 against
+77.5 / 89.4 µs): what it still spends beyond the bytes is the tensor-core kernel's fixed part (the
+activation's scratch, the barriers, the split sums), not the way the weight arrives.
 
 Weights whose start is not 16-byte aligned (TMA's rule) keep ``triton_mma_gemv``'s registers. Not
 batch invariant (the split depends on the shape), like ``triton_mma_gemv``.
