@@ -55,6 +55,7 @@ from .triton_gluon import TensorDescriptor, cta_barrier, fence_async_shared, gl,
 from .triton_mma_gemv import BLOCK, _add_step, _block_activation, _f16_blocks, _load_step, store_lane_sums
 from .triton_split_sums import last_to_arrive, reset_counter, split_counters, sum_partials
 
+
 @gluon.jit
 def _fetch_step(w_desc, w2_desc, second, ring, ready, step, row, k_begin, STEP_BLOCKS: gl.constexpr,
                 STAGES: gl.constexpr, TILE: gl.constexpr):
