@@ -331,8 +331,8 @@ def main() -> int:
                              "instead of triton_gemv, -sort triton_mma_experts' pair sort in every step, -noshape "
                              "the matrix-vector kernels' per-launch configs set aside (the tables by M only), -noring "
                              "triton_mma_gemv's weight into registers even where its config has a ring (the same "
-                             "configs, not the tables from before the ring; these six: in-process engine only), -pdl programmatic dependent launch on (--enable-pdl) "
-                             "for that run")
+                             "configs, not the tables from before the ring; these six: in-process engine only), -pdl "
+                             "programmatic dependent launch on (--enable-pdl) for that run")
     parser.add_argument("--batch", default="1,8,32,128,256", help="sequences per DP rank")
     parser.add_argument("--dp", type=int, default=1,
                         help="data-parallel ranks (one GPU each, experts sharded): batch sizes are per rank")

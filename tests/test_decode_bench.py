@@ -126,7 +126,7 @@ def test_the_share_outside_the_graph_replays_is_what_the_replays_leave_of_a_step
 def test_a_variants_suffixes_set_its_tile_tables_and_the_next_variant_gets_the_defaults_back():
     """``--kernels triton-noshape,triton-tc1,triton``: each engine's ``tile_configs`` are the process's
     defaults plus its own suffixes' changes; ``-noshape`` sets both matrix-vector kernels' per-launch
-    tables aside."""
+    tables aside, ``-noring`` turns ``triton_mma_gemv``'s ring off."""
     from benchmarks.decode import set_tile_tables, tile_table_defaults
     from model.kernels import tile_configs
 
@@ -137,6 +137,10 @@ def test_a_variants_suffixes_set_its_tile_tables_and_the_next_variant_gets_the_d
         assert tile_configs.MMA_GEMV_MIN_TOKENS == defaults["MMA_GEMV_MIN_TOKENS"]
         set_tile_tables(["tc1", "eager"], defaults)  # (a suffix of no table changes none)
         assert tile_configs.MMA_GEMV_MIN_TOKENS == 1
+        assert tile_configs._MMA_GEMV_BY_SHAPE is defaults["_MMA_GEMV_BY_SHAPE"]
+        assert tile_configs.MMA_GEMV_RING is True
+        set_tile_tables(["noring"], defaults)  # the ring's configs with the weight in registers
+        assert tile_configs.MMA_GEMV_RING is False
         assert tile_configs._MMA_GEMV_BY_SHAPE is defaults["_MMA_GEMV_BY_SHAPE"]
         set_tile_tables([], defaults)
         assert tile_table_defaults() == defaults
