@@ -302,6 +302,7 @@ def main() -> int:
     launch_configs = [cfg for launch_rows in tile_configs._MMA_GEMV_BY_SHAPE.values() for _, cfg in launch_rows]
     kernels = {(cfg.block_w, cfg.block_k, cfg.num_warps): cfg  # (programs per SM do not change the kernel)
                for cfg in [cfg for _, cfg in tile_configs._MMA_GEMV_TABLE] + launch_configs + other_steps}
+
     for cfg in kernels.values():
         # (the activation tile's rows: 3-4 tokens take 4, 5-8 take 8)
         for tokens, quantize, partial, pdl in ((4, True, True, False), (4, True, False, False), (8, True, True, False),
@@ -312,7 +313,8 @@ def main() -> int:
                    "out_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32", "act_ptr": "*fp16",
                    "act_scale_ptr": "*fp32", **scalars("M N N2 stride_x k_per_split splits width")},
                   {"K": 5120, "TOKENS": tokens, "WARPS": cfg.num_warps, "STEP_BLOCKS": cfg.block_k // 32,
-                   "QUANTIZE": quantize, "PARTIAL": partial, "INTERPRETED": False}, cfg, wgmma=False,
+                   "PREP_BLOCKS": triton_mma_gemv.PREP_BLOCKS, "QUANTIZE": quantize, "PARTIAL": partial,
+                   "INTERPRETED": False}, cfg, wgmma=False,
                   aligned=("x_ptr", "w_ptr", "s_ptr", "w2_ptr", "s2_ptr", "out_ptr", "part_ptr", "act_ptr",
                            "act_scale_ptr", "N", "N2", "stride_x", "k_per_split", "width"),
                   spill_free=True, inspect=register_fed(cfg.num_warps, "HMMA.16816.F32"), pdl=pdl, prefetch=True)
@@ -333,8 +335,8 @@ def main() -> int:
                    "out_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32", "act_ptr": "*fp16",
                    "act_scale_ptr": "*fp32", **scalars("M N N2 stride_x k_per_split splits width")},
                   {"K": 5120, "TOKENS": tokens, "WARPS": cfg.num_warps, "STEP_BLOCKS": cfg.block_k // 32,
-                   "STAGES": cfg.num_stages, "QUANTIZE": quantize, "PARTIAL": partial, "RING_LAYOUT": ring_layout,
-                   "WORDS_LAYOUT": words_layout},
+                   "STAGES": cfg.num_stages, "PREP_BLOCKS": triton_mma_gemv.PREP_BLOCKS, "QUANTIZE": quantize,
+                   "PARTIAL": partial, "RING_LAYOUT": ring_layout, "WORDS_LAYOUT": words_layout},
                   options={"num_warps": cfg.num_warps}, wgmma=False, gluon=True,
                   aligned=("s_ptr", "s2_ptr", "x_ptr", "out_ptr", "part_ptr", "act_ptr", "act_scale_ptr", "N",
                            "N2", "stride_x", "k_per_split", "width"),

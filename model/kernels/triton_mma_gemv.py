@@ -28,11 +28,12 @@ token g's activation at the same columns, loaded as it lies in memory.
 The activation: each program first issues the loads of its first step of weight (they wait for
 nothing), then writes its K range of the activation to a scratch area of its own, as f16 values and
 an fp32 scale per token and 32-column block (the scales of at least two tokens, so that every lane's
-pair of token scales exists). With ``quantize`` that is the
-reference's FP8 round trip per 32 (``act_quant``: e4m3 values are exact in f16, the scale is their
-power of two); without, the bf16 values times the power of two that puts the block's largest just
-below 2**16 (exact for every value down to 2**-32 of the block's largest; a smaller one is rounded,
-by less than 2**-39 of the largest). After a barrier the lanes load their B fragments from it.
+pair of token scales exists), ``PREP_BLOCKS`` blocks per loop step. With
+``quantize`` that is the reference's FP8 round trip per 32 (``act_quant``: e4m3 values are exact in
+f16, the scale is their power of two); without, the bf16 values times the power of two that puts the
+block's largest just below 2**16 (exact for every value down to 2**-32 of the block's largest; a
+smaller one is rounded, by less than 2**-39 of the largest). After a barrier the lanes load their B
+fragments from it.
 
 Arithmetic: every product is exact (an e4m3 weight times an e4m3 or 8-bit-significand activation,
 as f16 operands). The tensor cores sum a block's 32 products per row and token in fp32, the block's
@@ -73,6 +74,12 @@ MAX_TOKENS = 8  # the token columns of one tensor-core product
 ROWS_PER_WARP = 32  # one row of the weight's 32x32 scale tiles
 BLOCK = 32  # K columns of one scale block (a loop step takes one, two or four)
 STEP_BLOCKS = (1, 2, 4)
+# The activation's preparation walks the program's K range in loop steps of this many 32-column blocks. Each
+# step waits for its loads from L2 and nothing else runs meanwhile (only the ring's first steps of weight are in
+# flight), so the steps are few and long. Steps of 4 blocks took up to 10 round trips at the tables' splits; 16
+# took a layer's projections 103.7 -> 97.2 µs at 3 tokens and 114.5 -> 111.1 at 8 on one H100, 8 blocks 98.8 /
+# 110.8 (docs/benchmarks.md). 32 blocks of 8 tokens spill registers
+PREP_BLOCKS = 16
 
 
 # One 32-column block of a 16-row group: $4, $5 the 8 weight bytes of rows g and g+8 at columns
@@ -224,11 +231,10 @@ def _f16_blocks(g):
 def _fp8_mma_gemv_kernel(x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counter_ptr, act_ptr,
                          act_scale_ptr, M, N, N2, stride_x, k_per_split, splits, width,
                          K: tl.constexpr, TOKENS: tl.constexpr, WARPS: tl.constexpr, STEP_BLOCKS: tl.constexpr,
-                         QUANTIZE: tl.constexpr, PARTIAL: tl.constexpr, PDL: tl.constexpr,
+                         PREP_BLOCKS: tl.constexpr, QUANTIZE: tl.constexpr, PARTIAL: tl.constexpr, PDL: tl.constexpr,
                          INTERPRETED: tl.constexpr):
     pid_w, split, group = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     TILE: tl.constexpr = 32 * WARPS  # weight rows per program
-    PREP_BLOCKS: tl.constexpr = 4  # scale blocks per step of the activation's preparation
     # the first weight's row tiles, then the second's (its outputs follow the first's columns)
     tiles = tl.cdiv(N, TILE)
     if pid_w < tiles:
@@ -400,9 +406,15 @@ def fp8_mma_gemv(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Te
     _fp8_mma_gemv_kernel[(tiles, splits, groups)](
         x, w, s, w2, s2, out, partials, split_counters(x.device, tiles * groups), act, act_scales,
         m, n, n2, x.stride(0), k_per_split, splits, width, K=k, TOKENS=tokens, WARPS=cfg.num_warps,
-        STEP_BLOCKS=cfg.block_k // BLOCK, QUANTIZE=quantize, PARTIAL=splits > 1, INTERPRETED=INTERPRETED,
-        num_warps=cfg.num_warps, **launch_arguments(pdl, x.device))
+        STEP_BLOCKS=cfg.block_k // BLOCK, PREP_BLOCKS=activation_prep_blocks(k_per_split),
+        QUANTIZE=quantize, PARTIAL=splits > 1, INTERPRETED=INTERPRETED, num_warps=cfg.num_warps,
+        **launch_arguments(pdl, x.device))
     return out
+
+
+def activation_prep_blocks(k_per_split: int) -> int:
+    """Scale blocks per loop step of the activation's preparation: ``PREP_BLOCKS``, fewer for a shorter split."""
+    return min(PREP_BLOCKS, triton.next_power_of_2(k_per_split // BLOCK))
 
 
 def ring_takes(values: torch.Tensor) -> bool:

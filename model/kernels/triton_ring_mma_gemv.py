@@ -52,7 +52,8 @@ from .triton_common import quantize_blocks, to_bf16
 from .triton_dependent_launch import launch_arguments, let_next_kernel_start, wait_for_previous_kernel
 from .triton_gluon import TensorDescriptor, cta_barrier, fence_async_shared, gl, gluon, mbarrier, reinterpret, \
     tma_load
-from .triton_mma_gemv import BLOCK, _add_step, _block_activation, _f16_blocks, _load_step, store_lane_sums
+from .triton_mma_gemv import (BLOCK, _add_step, _block_activation, _f16_blocks, _load_step, activation_prep_blocks,
+                              store_lane_sums)
 from .triton_split_sums import last_to_arrive, reset_counter, split_counters, sum_partials
 
 
@@ -107,10 +108,9 @@ def _step_from_ring(ring, slot, exponents, WARPS: gl.constexpr, LANES: gl.conste
 
 @gluon.jit
 def _prepare_activation(x_ptr, act_ptr, act_scale_ptr, M, stride_x, k_begin, blocks, TOKENS: gl.constexpr,
-                        WARPS: gl.constexpr, QUANTIZE: gl.constexpr):
+                        WARPS: gl.constexpr, PREP_BLOCKS: gl.constexpr, QUANTIZE: gl.constexpr):
     """This program's K range of the activation into its scratch area, as ``triton_mma_gemv`` writes it:
     f16 values ``[block, token, 32]`` and fp32 scales ``[block, token]`` (absent tokens' too)."""
-    PREP_BLOCKS: gl.constexpr = 4
     layout: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 4, 8], [WARPS, 1, 1], [2, 1, 0])  # [token, block, 32]
     per_block: gl.constexpr = gl.SliceLayout(2, layout)  # [token, block]
     tokens = gl.arange(0, TOKENS, layout=gl.SliceLayout(1, per_block))[:, None]
@@ -133,8 +133,9 @@ def _prepare_activation(x_ptr, act_ptr, act_scale_ptr, M, stride_x, k_begin, blo
 def _ring_mma_gemv_kernel(w_desc, w2_desc, s_ptr, s2_ptr, x_ptr, out_ptr, part_ptr, counter_ptr, act_ptr,
                           act_scale_ptr, M, N, N2, stride_x, k_per_split, splits, width,
                           K: gl.constexpr, TOKENS: gl.constexpr, WARPS: gl.constexpr, STEP_BLOCKS: gl.constexpr,
-                          STAGES: gl.constexpr, QUANTIZE: gl.constexpr, PARTIAL: gl.constexpr, PDL: gl.constexpr,
-                          RING_LAYOUT: gl.constexpr, WORDS_LAYOUT: gl.constexpr):
+                          STAGES: gl.constexpr, PREP_BLOCKS: gl.constexpr, QUANTIZE: gl.constexpr,
+                          PARTIAL: gl.constexpr, PDL: gl.constexpr, RING_LAYOUT: gl.constexpr,
+                          WORDS_LAYOUT: gl.constexpr):
     pid_w, split, group = gl.program_id(0), gl.program_id(1), gl.program_id(2)
     TILE: gl.constexpr = 32 * WARPS  # weight rows per program
     # [WARPS, 8, 4] with one element per thread: warp w, lane (g, t) = 4g + t holds [w, g, t]
@@ -169,7 +170,7 @@ def _ring_mma_gemv_kernel(w_desc, w2_desc, s_ptr, s2_ptr, x_ptr, out_ptr, part_p
     act_ptr += program * (k_per_split // 32) * TOKENS * 32
     act_scale_ptr += program * (k_per_split // 32) * TOKENS
     _prepare_activation(x_ptr + group * K, act_ptr, act_scale_ptr, M, stride_x, k_begin, blocks, TOKENS, WARPS,
-                        QUANTIZE)
+                        PREP_BLOCKS, QUANTIZE)
     cta_barrier()  # every thread's part of the scratch written before any lane loads from it
 
     # 3. each lane's place, one element per thread (triton_mma_gemv's fragments)
@@ -257,6 +258,5 @@ def launch_ring(grid: tuple[int, int, int], x: torch.Tensor, weights: Sequence[t
         w_desc, w2_desc, scales.view(torch.uint8), s2.view(torch.uint8), x, out, partials,
         split_counters(x.device, grid[0] * grid[2]), act, act_scales, m, n, n2, x.stride(0), k_per_split, splits,
         width, K=k, TOKENS=tokens, WARPS=cfg.num_warps, STEP_BLOCKS=step_blocks, STAGES=cfg.num_stages,
-        QUANTIZE=quantize, PARTIAL=splits > 1, RING_LAYOUT=ring_layout, WORDS_LAYOUT=words_layout,
-        num_warps=cfg.num_warps,
-        **launch_arguments(pdl, x.device))
+        PREP_BLOCKS=activation_prep_blocks(k_per_split), QUANTIZE=quantize, PARTIAL=splits > 1,
+        RING_LAYOUT=ring_layout, WORDS_LAYOUT=words_layout, num_warps=cfg.num_warps, **launch_arguments(pdl, x.device))
