@@ -63,6 +63,23 @@ def test_one_weight_matches_reference(monkeypatch, m, n, k, warps, programs_per_
     assert not any(counters.any() for counters in triton_split_sums._counters.values())
 
 
+@pytest.mark.parametrize("prep_blocks", [1, 2, 16])
+def test_the_activation_prepared_in_steps_of_any_length(monkeypatch, prep_blocks):
+    """The activation's preparation walks a split's 20 blocks in steps of 1, 2 or 16 blocks (the last step of
+    16 four blocks long, its rest masked): the same bits each way, close to the reference."""
+    _config(monkeypatch, 2, 1, max_splits=1)
+    gen = torch.Generator().manual_seed(11)
+    weight = random_weight(WeightFormat.FP8, 64, 640, gen)
+    x = torch.randn(5, 640, generator=gen).bfloat16()
+    on = weight.to(device())
+    monkeypatch.setattr(triton_mma_gemv, "PREP_BLOCKS", 4)
+    four = fp8_mma_gemv(x.to(device()), [(on.values, on.scales)], quantize=True).cpu()
+    monkeypatch.setattr(triton_mma_gemv, "PREP_BLOCKS", prep_blocks)
+    got = fp8_mma_gemv(x.to(device()), [(on.values, on.scales)], quantize=True).cpu()
+    assert torch.equal(got, four)
+    assert_close_to_reference(got, REFERENCE.quantized_linear(x, weight))
+
+
 def test_each_token_is_its_own_row_of_the_output(monkeypatch):
     """A token's outputs do not depend on which other tokens share its launch (same split: same bits)."""
     _config(monkeypatch, 2, 4)
