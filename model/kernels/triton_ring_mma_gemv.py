@@ -33,7 +33,9 @@ Measured (one H100, docs/benchmarks.md): taken where the per-launch sweep found 
 (``tile_configs._MMA_GEMV_BY_SHAPE``), the layer's projections went 110.6 -> 104.7 µs at 4 tokens and
 119.3 -> 114.3 at 8. At one and two tokens it stays well behind ``triton_gemv`` (102.4 / 101.0 against
 77.5 / 89.4 µs): what it still spends beyond the bytes is the tensor-core kernel's fixed part (the
-activation's scratch, the barriers, the split sums), not the way the weight arrives.
+activation's scratch, the split sums), not the way the weight arrives. The barrier between reading a
+slot and asking for it again costs nothing measurable (removed, as a race, for timing only: the same
+layer graph).
 
 Weights whose start is not 16-byte aligned (TMA's rule) keep ``triton_mma_gemv``'s registers. Not
 batch invariant (the split depends on the shape), like ``triton_mma_gemv``.
