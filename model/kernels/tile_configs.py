@@ -182,8 +182,9 @@ MMA_GEMV_RING = True
 # ``num_warps`` warps), ``block_k`` its loop step, one, two or four 32-column blocks (its splits are
 # whole steps). Up to 4 tokens: with one block per step a warp keeps 1 KB of loads in flight, and an H200
 # SM needs ~25 KB in flight to stream at full bandwidth, so enough splits for 8 programs of 4 warps per SM
-# (62 registers per thread under the GPU's Triton 3.6: 8 such programs fit). From 5 tokens on, four
-# blocks per step and splits for 4 programs per SM (134 registers: 3 fit): the activation's preparation
+# (56-64 registers per thread under the GPU's Triton 3.6: 8 such programs fit). From 5 tokens on, four
+# blocks per step and splits for 4 programs per SM (110 registers at 8 tokens: 4 fit; 134 and 3 before the
+# activation's preparation took 16 blocks a step, ``triton_mma_gemv.PREP_BLOCKS``): the activation's preparation
 # and the split sums, which grow with the tokens, are paid over fewer, longer programs. A layer's
 # projections in one graph on one H200 (docs/benchmarks.md), this config against the other, without PDL:
 # 106.9 / 108.0 / 110.5 µs against 113.1 / 115.1 / 120.8 at 5 / 6 / 8 tokens, but 107.0 / 107.9 against
