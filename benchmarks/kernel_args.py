@@ -48,6 +48,9 @@ def parse_args(argv=None, description: str = ""):
     p.add_argument("--unsorted-pairs", type=int, default=None,
                    help="steps of at most this many pairs skip triton_mma_experts' pair sort (0: every step "
                         "sorts; default: tile_configs.MMA_EXPERTS_UNSORTED_PAIRS)")
+    p.add_argument("--inputs-in-l2", action="store_true",
+                   help="the layer graph also with each input written just before its projection, as the kernel "
+                        "before it writes it in the engine (the copies' own time taken off)")
     p.add_argument("--pdl", action="store_true",
                    help="the Triton kernels with programmatic dependent launch (--enable-pdl); the layer graph "
                         "is then also timed without it")

@@ -84,19 +84,29 @@ def markdown(env: dict, ceil: Ceilings, bench, shapes_name: str) -> str:
                      f"| {us(r.limit_s)} | {r.bound} | {r.pct_limit:.0%} | {r.bytes / r.triton_s / 1e12:.2f} "
                      f"| {r.flops / r.triton_s / 1e12:.1f} | {speed} | {err} |")
     if bench.layer:
-        lines += ["",
-                  f"FP8 linears of one layer taken together ({len(bench.specs)} projections: "
-                  + ", ".join(s.name for s in bench.specs) + "); graph = all of them captured in one CUDA graph "
-                  f"({bench.layer[0]['instances']} layer instances with distinct weights) and replayed, per layer. "
-                  "Target: >= 70% of the memory limit.",
-                  ""]
-        pdl = any("graph_without_pdl_s" in e for e in bench.layer)  # --pdl: the graph both ways
-        lines += ["| M | sum of kernels | CUDA graph " + ("| graph without PDL " if pdl else "")
-                  + "| memory limit | limit | graph % of memory limit | graph % of limit | sum % of memory limit |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if pdl else "")]
-        for e in bench.layer:
-            sum_pct = "-" if e["sum_pct_mem_limit"] is None else f"{e['sum_pct_mem_limit']:.0%}"
-            without = f"| {us(e.get('graph_without_pdl_s'))} " if pdl else ""
-            lines.append(f"| {e['m']} | {us(e['sum_s'])} | {us(e['graph_s'])} {without}| {us(e['mem_limit_s'])} "
-                         f"| {us(e['limit_s'])} | **{e['pct_mem_limit']:.0%}** | {e['pct_limit']:.0%} | {sum_pct} |")
+        lines += [""] + layer_graph_lines(bench.specs, bench.layer)
     return "\n".join(lines)
+
+
+def layer_graph_lines(specs, layer: list[dict]) -> list[str]:
+    """The table of a layer's FP8 linears in one graph (``layer``: ``Bench.run_layer_graph``'s entries, one
+    per M, with ``graph_without_pdl_s`` under ``--pdl`` and ``graph_inputs_in_l2_s`` under ``--inputs-in-l2``)."""
+    lines = [f"FP8 linears of one layer taken together ({len(specs)} projections: "
+             + ", ".join(s.name for s in specs) + "); graph = all of them captured in one CUDA graph "
+             f"({layer[0]['instances']} layer instances with distinct weights) and replayed, per layer. "
+             "Target: >= 70% of the memory limit.",
+             ""]
+    pdl = any("graph_without_pdl_s" in e for e in layer)  # --pdl: the graph both ways
+    warm = any("graph_inputs_in_l2_s" in e for e in layer)  # --inputs-in-l2
+    lines += ["| M | sum of kernels | CUDA graph " + ("| graph without PDL " if pdl else "")
+              + ("| graph, inputs in L2 | its % of memory limit " if warm else "")
+              + "| memory limit | limit | graph % of memory limit | graph % of limit | sum % of memory limit |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if pdl else "") + ("---:|---:|" if warm else "")]
+    for e in layer:
+        sum_pct = "-" if e["sum_pct_mem_limit"] is None else f"{e['sum_pct_mem_limit']:.0%}"
+        without = f"| {us(e.get('graph_without_pdl_s'))} " if pdl else ""
+        in_l2 = e.get("graph_inputs_in_l2_s")
+        in_l2 = f"| {us(in_l2)} | {e['mem_limit_s'] / in_l2:.0%} " if in_l2 else "| - | - " if warm else ""
+        lines.append(f"| {e['m']} | {us(e['sum_s'])} | {us(e['graph_s'])} {without}{in_l2}| {us(e['mem_limit_s'])} "
+                     f"| {us(e['limit_s'])} | **{e['pct_mem_limit']:.0%}** | {e['pct_limit']:.0%} | {sum_pct} |")
+    return lines

@@ -182,3 +182,22 @@ def test_the_layer_launches_are_keyed_as_the_kernels_key_them():
         assert tile_configs._MMA_GEMV_BY_SHAPE == {(1792, 5120): ((4, forced), (8, five_to_eight))}
     finally:
         tile_configs._GEMV_BY_SHAPE, tile_configs._MMA_GEMV_BY_SHAPE = saved
+
+
+def test_layer_table_shows_the_graph_with_inputs_in_l2_where_it_ran():
+    """``--inputs-in-l2`` adds the graph's time with each input written just before its projection, and its
+    share of the memory limit; a run without it keeps the table's columns as they were."""
+    from types import SimpleNamespace
+
+    from benchmarks.kernel_report import layer_graph_lines
+
+    specs = [SimpleNamespace(name="attn.wq_a"), SimpleNamespace(name="attn.wkv")]
+    entry = {"m": 1, "sum_s": 80e-6, "graph_s": 64e-6, "mem_limit_s": 40e-6, "limit_s": 40e-6, "instances": 4,
+             "pct_mem_limit": 40 / 64, "pct_limit": 40 / 64, "sum_pct_mem_limit": 0.5}
+    plain = layer_graph_lines(specs, [entry])
+    assert "inputs in L2" not in plain[2] and plain[4].count("|") == plain[2].count("|")
+    warm = layer_graph_lines(specs, [{**entry, "graph_inputs_in_l2_s": 50e-6}, {**entry, "m": 2}])
+    header, rule, with_it, without_it = warm[2:6]
+    assert "| graph, inputs in L2 | its % of memory limit |" in header
+    assert header.count("|") == rule.count("|") == with_it.count("|") == without_it.count("|")
+    assert "| 50.0 | 80% |" in with_it and "| - | - |" in without_it
