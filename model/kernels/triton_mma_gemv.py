@@ -75,10 +75,11 @@ ROWS_PER_WARP = 32  # one row of the weight's 32x32 scale tiles
 BLOCK = 32  # K columns of one scale block (a loop step takes one, two or four)
 STEP_BLOCKS = (1, 2, 4)
 # The activation's preparation walks the program's K range in loop steps of this many 32-column blocks. Each
-# step waits for its loads from L2 and nothing else runs meanwhile (only the ring's first steps of weight are in
+# step waits for its loads and nothing else runs meanwhile (only the ring's first steps of weight are in
 # flight), so the steps are few and long. Steps of 4 blocks took up to 10 round trips at the tables' splits; 16
 # took a layer's projections 103.7 -> 97.2 µs at 3 tokens and 114.5 -> 111.1 at 8 on one H100, 8 blocks 98.8 /
-# 110.8 (docs/benchmarks.md). 32 blocks of 8 tokens spill registers
+# 110.8, where the benchmark's inputs come from HBM; the engine's decode, whose inputs come from L2, did not
+# move (docs/benchmarks.md). 32 blocks of 8 tokens spill registers
 PREP_BLOCKS = 16
 
 
