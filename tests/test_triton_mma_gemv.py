@@ -71,13 +71,14 @@ def test_the_activation_prepared_in_steps_of_any_length(monkeypatch, prep_blocks
     gen = torch.Generator().manual_seed(11)
     weight = random_weight(WeightFormat.FP8, 64, 640, gen)
     x = torch.randn(5, 640, generator=gen).bfloat16()
+    ref = REFERENCE.quantized_linear(x, weight)  # first: .to(device) moves the weight
     on = weight.to(device())
     monkeypatch.setattr(triton_mma_gemv, "PREP_BLOCKS", 4)
     four = fp8_mma_gemv(x.to(device()), [(on.values, on.scales)], quantize=True).cpu()
     monkeypatch.setattr(triton_mma_gemv, "PREP_BLOCKS", prep_blocks)
     got = fp8_mma_gemv(x.to(device()), [(on.values, on.scales)], quantize=True).cpu()
     assert torch.equal(got, four)
-    assert_close_to_reference(got, REFERENCE.quantized_linear(x, weight))
+    assert_close_to_reference(got, ref)
 
 
 def test_each_token_is_its_own_row_of_the_output(monkeypatch):
