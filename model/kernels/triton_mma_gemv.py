@@ -78,8 +78,9 @@ STEP_BLOCKS = (1, 2, 4)
 # step waits for its loads and nothing else runs meanwhile (only the ring's first steps of weight are in
 # flight), so the steps are few and long. Steps of 4 blocks took up to 10 round trips at the tables' splits; 16
 # took a layer's projections 103.7 -> 97.2 µs at 3 tokens and 114.5 -> 111.1 at 8 on one H100, 8 blocks 98.8 /
-# 110.8, where the benchmark's inputs come from HBM; the engine's decode, whose inputs come from L2, did not
-# move (docs/benchmarks.md). 32 blocks of 8 tokens spill registers
+# 110.8; the engine's decode did not move, and not because its inputs lie in L2: the layer's graph with each
+# input written just before its projection took the same time (docs/benchmarks.md). 32 blocks of 8 tokens spill
+# registers
 PREP_BLOCKS = 16
 
 
