@@ -302,7 +302,6 @@ def main() -> int:
     launch_configs = [cfg for launch_rows in tile_configs._MMA_GEMV_BY_SHAPE.values() for _, cfg in launch_rows]
     kernels = {(cfg.block_w, cfg.block_k, cfg.num_warps): cfg  # (programs per SM do not change the kernel)
                for cfg in [cfg for _, cfg in tile_configs._MMA_GEMV_TABLE] + launch_configs + other_steps}
-
     for cfg in kernels.values():
         # (the activation tile's rows: 3-4 tokens take 4, 5-8 take 8)
         for tokens, quantize, partial, pdl in ((4, True, True, False), (4, True, False, False), (8, True, True, False),
