@@ -37,9 +37,9 @@ def run_tune(bench, ms: list[int]) -> None:
     from model.kernels.triton_backend import matrix_vector_kernel
     decode_cfgs = [tables.DecodeConfig(bw, bk, bw // 16, st, pps) for bw in (64, 128) for bk in (128, 256)
                    for st in (3, 4) for pps in (2, 4, 8)]
-    # the FP8 linears' kernel (one scale block per step; block_k = 32, the unit of its splits)
-    fp8_cfgs = [tables.DecodeConfig(bw, 32, 4, st, pps, one_wave=one_wave) for bw in (64, 128) for st in (3, 4, 6)
-                for pps in (2, 4, 8) for one_wave in (True, False)]
+    # the FP8 linears (decode_mm's kernel, both scales folded into its bf16 operands): 4 warps measured best
+    fp8_cfgs = [tables.DecodeConfig(bw, bk, 4, st, pps, one_wave=one_wave) for bw in (64, 128) for bk in (64, 128, 256)
+                for st in (2, 3, 4) for pps in (2, 4) for one_wave in (True, False)]
     # one or two tokens' FP8 products on the CUDA cores (triton_gemv, outside the batch-invariant mode): rows per
     # program (dividing 32), K columns per step, warps, programs per SM before split-K stops
     gemv_cfgs = [tables.DecodeConfig(bw, bk, warps, 1, pps) for bw in (16, 32) for bk in (128, 256, 512)

@@ -53,7 +53,7 @@ def test_fp8_linear_real_shapes(kernels, name):
     x = torch.randn(300, k, device="cuda", generator=gen).bfloat16()
     full = triton_k.quantized_linear(x, weight)
     assert_close_to_reference(full, reference.quantized_linear(x, weight))
-    for m in (1, 7, 64, 200):  # other tile configs, same rows: bit-identical
+    for m in (1, 7, 16, 33, 64, 200):  # other tile configs, same rows: bit-identical
         assert torch.equal(triton_k.quantized_linear(x[:m], weight), full[:m]), f"M={m}"
         decoded = decode_k.quantized_linear(x[:m], weight)  # the split-K decode form
         assert_close_to_reference(decoded, reference.quantized_linear(x[:m], weight))
