@@ -240,6 +240,14 @@ def main() -> int:
 
     decode = {"a_ptr": "*bf16", **scalars("M N K k_per_split stride_am stride_ag stride_wn stride_wg stride_sn "
                                            "stride_sg stride_os stride_om")}
+    # what the JIT marks at run time for the real shapes (every pointer, size and stride a multiple of 16 there);
+    # without the group strides' hint the loads of a group's rows are single bytes, not pipelined, and spill
+    decode_aligned = ("a_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "K", "k_per_split", "stride_am", "stride_ag",
+                      "stride_wn", "stride_wg", "stride_sn", "stride_sg", "stride_os", "stride_om")
+
+    def copied_ahead(kernel) -> list[str]:  # the pipeline's asynchronous copies into shared memory
+        return [] if "LDGSTS" in kernel.asm["sass"] else ["no asynchronous copy: the loads are not pipelined"]
+
     for bound, cfg in tile_configs._DECODE_MM_TABLE:
         block_t = max(16, bound)
         for b_fmt, partial, out_f32 in ((0, True, False), (0, False, False), (2, False, True)):  # wo_a; the head
@@ -247,19 +255,15 @@ def main() -> int:
                      "out_ptr": "*fp32" if partial or out_f32 else "*bf16"}
             check(f"decode_mm fmt={b_fmt} partial={partial} {cfg}", triton_decode_mm._decode_mm_kernel, types,
                   {"B_FMT": b_fmt, "BLOCK_T": block_t, "BLOCK_W": cfg.block_w, "BLOCK_K": cfg.block_k,
-                   "EVEN_K": True, "PARTIAL": partial, "OUT_F32": out_f32, "EXACT_DOT": False}, cfg)
-    # the FP8 linears: the same kernel, FP8 weights. Spill-free at 16 tokens; from 32 tokens every config of
-    # the sweep spills inside its loop (128 x 128 at 4 warps, the fastest: ~300 local stores and loads at 64)
-    smallest = 16  # a row's smallest token tile: the one after the row before it
-    for bound, cfg in tile_configs._FP8_DECODE_TABLE:
-        for block_t, partial in ((smallest, True), (bound, True), (bound, False)):
+                   "EVEN_K": True, "PARTIAL": partial, "OUT_F32": out_f32, "EXACT_DOT": False}, cfg,
+                  aligned=decode_aligned, spill_free=True, inspect=copied_ahead)
+    for bound, cfg in tile_configs._FP8_DECODE_TABLE:  # the FP8 linears: the same kernel, FP8 weights
+        for block_t, partial in ((16, True), (bound, True), (bound, False)):  # the smallest and largest token tile
             types = {**decode, "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*fp32" if partial else "*bf16"}
             check(f"fp8_decode_mm tokens={block_t} partial={partial} {cfg}", triton_decode_mm._decode_mm_kernel,
                   types, {"B_FMT": 0, "BLOCK_T": block_t, "BLOCK_W": cfg.block_w, "BLOCK_K": cfg.block_k,
                           "EVEN_K": True, "PARTIAL": partial, "OUT_F32": False, "EXACT_DOT": False}, cfg,
-                  aligned=("a_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "K", "k_per_split", "stride_am",
-                           "stride_wn", "stride_os", "stride_om"), spill_free=block_t == 16)
-        smallest = max(16, triton.next_power_of_2(bound + 1))
+                  aligned=decode_aligned, spill_free=True, inspect=copied_ahead)
     def streamed_by_tma(kernel) -> list[str]:
         return [] if "UTMALDG" in kernel.asm["sass"] else ["no tensor-memory-accelerator load"]
 
