@@ -238,12 +238,13 @@ def main() -> int:
                 check(f"moe {name} fmt={b_fmt} {cfg}", fn, types, constants, cfg, spill_free=b_fmt == 3,
                       aligned=tuple(a for a in aligned if a in fn.arg_names), inspect=token_tiles(cfg.block_m))
 
-    decode = {"a_ptr": "*bf16", **scalars("M N K k_per_split stride_am stride_ag stride_wn stride_wg stride_sn "
+    decode = {"a_ptr": "*bf16", **scalars("M N N2 K k_per_split stride_am stride_ag stride_wn stride_wg stride_sn "
                                            "stride_sg stride_os stride_om")}
     # what the JIT marks at run time for the real shapes (every pointer, size and stride a multiple of 16 there);
     # without the group strides' hint the loads of a group's rows are single bytes, not pipelined, and spill
-    decode_aligned = ("a_ptr", "w_ptr", "s_ptr", "out_ptr", "N", "K", "k_per_split", "stride_am", "stride_ag",
-                      "stride_wn", "stride_wg", "stride_sn", "stride_sg", "stride_os", "stride_om")
+    decode_aligned = ("a_ptr", "w_ptr", "s_ptr", "w2_ptr", "s2_ptr", "out_ptr", "N", "N2", "K", "k_per_split",
+                      "stride_am", "stride_ag", "stride_wn", "stride_wg", "stride_sn", "stride_sg", "stride_os",
+                      "stride_om")
 
     def copied_ahead(kernel) -> list[str]:  # the pipeline's asynchronous copies into shared memory
         return [] if "LDGSTS" in kernel.asm["sass"] else ["no asynchronous copy: the loads are not pipelined"]
@@ -251,7 +252,8 @@ def main() -> int:
     for bound, cfg in tile_configs._DECODE_MM_TABLE:
         block_t = max(16, bound)
         for b_fmt, partial, out_f32 in ((0, True, False), (0, False, False), (2, False, True)):  # wo_a; the head
-            types = {**decode, "w_ptr": "*u8" if b_fmt == 0 else "*bf16", "s_ptr": "*u8" if b_fmt == 0 else "*bf16",
+            w_type = "*u8" if b_fmt == 0 else "*bf16"
+            types = {**decode, "w_ptr": w_type, "s_ptr": w_type, "w2_ptr": w_type, "s2_ptr": w_type,
                      "out_ptr": "*fp32" if partial or out_f32 else "*bf16"}
             check(f"decode_mm fmt={b_fmt} partial={partial} {cfg}", triton_decode_mm._decode_mm_kernel, types,
                   {"B_FMT": b_fmt, "BLOCK_T": block_t, "BLOCK_W": cfg.block_w, "BLOCK_K": cfg.block_k,
@@ -259,7 +261,8 @@ def main() -> int:
                   aligned=decode_aligned, spill_free=True, inspect=copied_ahead)
     for bound, cfg in tile_configs._FP8_DECODE_TABLE:  # the FP8 linears: the same kernel, FP8 weights
         for block_t, partial in ((16, True), (bound, True), (bound, False)):  # the smallest and largest token tile
-            types = {**decode, "w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*fp32" if partial else "*bf16"}
+            types = {**decode, "w_ptr": "*u8", "s_ptr": "*u8", "w2_ptr": "*u8", "s2_ptr": "*u8",
+                     "out_ptr": "*fp32" if partial else "*bf16"}
             check(f"fp8_decode_mm tokens={block_t} partial={partial} {cfg}", triton_decode_mm._decode_mm_kernel,
                   types, {"B_FMT": 0, "BLOCK_T": block_t, "BLOCK_W": cfg.block_w, "BLOCK_K": cfg.block_k,
                           "EVEN_K": True, "PARTIAL": partial, "OUT_F32": False, "EXACT_DOT": False}, cfg,

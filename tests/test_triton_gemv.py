@@ -114,7 +114,8 @@ def test_a_launch_takes_the_config_of_its_shape(monkeypatch):
 
 def test_backend_runs_two_projections_of_one_token_together(monkeypatch):
     """``quantized_linears`` at one and two tokens: one launch for both, the same values as one by one; at
-    nine tokens (the decode form), and in the batch-invariant mode, the one-by-one products themselves."""
+    nine tokens (one launch of the decode form) and in the batch-invariant mode, no matrix-vector launch
+    and again the one-by-one products' values."""
     from model.kernels.triton_backend import TritonKernels
 
     _config(monkeypatch, 16, 128, 1)

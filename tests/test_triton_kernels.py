@@ -278,6 +278,34 @@ def test_decode_form_matches_reference(max_splits, m, fp8_step, monkeypatch):
     assert torch.allclose(got, ref, rtol=0, atol=float(ref.abs().max()) * 2.0 ** -18)
 
 
+@pytest.mark.parametrize("max_splits", [1, 64])
+@pytest.mark.parametrize("m", [9, 33])
+def test_decode_form_takes_two_projections_of_one_input_in_one_launch(max_splits, m, monkeypatch):
+    """``quantized_linears`` of 9-64 tokens: both FP8 weights in one launch of the decode form (the second's
+    row tiles after the first's, its rows not a whole tile), each output against its reference twin; with
+    one split each output element is one program's whole sum, so the bits of each projection alone."""
+    from model.kernels import tile_configs, triton_backend
+
+    fp8_cfg = tile_configs.DecodeConfig(64, 64, 4, 3, programs_per_sm=64, max_splits=max_splits)
+    monkeypatch.setattr(tile_configs, "_FP8_DECODE_TABLE", ((64, fp8_cfg),))
+    launches = []
+    real = triton_backend.fp8_decode_mm
+    monkeypatch.setattr(triton_backend, "fp8_decode_mm", lambda a, ws: launches.append(len(ws)) or real(a, ws))
+    gen = torch.Generator().manual_seed(m)
+    kernels, reference = triton_backend.TritonKernels(), ReferenceKernels(batch_invariant=False)
+    weights = [random_weight(WeightFormat.FP8, n, 256, gen) for n in (96, 160)]
+    x = (torch.randn(m, 256, generator=gen) * 2).bfloat16()
+    refs = [reference.quantized_linear(x, w) for w in weights]  # first: .to(device) moves the weights
+    weights = [w.to(device()) for w in weights]
+    together = kernels.quantized_linears(x.to(device()), weights)
+    assert launches == [2]
+    for got, ref, weight in zip(together, refs, weights):
+        assert got.shape == ref.shape
+        assert_close_to_reference(got.cpu(), ref)
+        if max_splits == 1:
+            assert torch.equal(got, kernels.quantized_linear(x.to(device()), weight))
+
+
 def test_decode_form_split_count_fills_the_gpu():
     from model.kernels.tile_configs import DecodeConfig
     from model.kernels.triton_decode_mm import split_count

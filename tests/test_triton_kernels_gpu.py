@@ -60,15 +60,20 @@ def test_fp8_linear_real_shapes(kernels, name):
         assert torch.equal(decode_k.quantized_linear(x[:m], weight), decoded), f"M={m}: not deterministic"
 
 
-@pytest.mark.parametrize("pair", [("wq_a", "wkv"), ("shared_w1", "shared_w1")])  # w3 has w1's shape
-def test_two_projections_of_one_token_real_shapes(kernels, pair):
-    """A token's two FP8 projections of one input in one launch (``triton_gemv``) against the reference."""
+@pytest.mark.parametrize("m", [1, 16, 33, 64])  # the matrix-vector form, then the decode form
+@pytest.mark.parametrize("pair", [("wq_a", "wkv"), ("shared_w1", "shared_w1"),  # w3 has w1's shape
+                                  ("wq_b", "indexer_wq_b")])
+def test_two_projections_of_one_input_real_shapes(kernels, pair, m):
+    """Two FP8 projections of one input in one launch (``triton_gemv`` or ``triton_decode_mm``) against the
+    reference, and the same bits on a second launch."""
     _, reference, decode_k = kernels
-    gen = torch.Generator(device="cuda").manual_seed(len(pair[0]))
+    gen = torch.Generator(device="cuda").manual_seed(len(pair[0]) + m)
     weights = [fp8_weight(*FP8_SHAPES[name], gen) for name in pair]
-    x = torch.randn(1, FP8_SHAPES[pair[0]][1], device="cuda", generator=gen).bfloat16()
-    for got, weight in zip(decode_k.quantized_linears(x, weights), weights):
+    x = torch.randn(m, FP8_SHAPES[pair[0]][1], device="cuda", generator=gen).bfloat16()
+    together = decode_k.quantized_linears(x, weights)
+    for got, again, weight in zip(together, decode_k.quantized_linears(x, weights), weights):
         assert_close_to_reference(got, reference.quantized_linear(x, weight))
+        assert torch.equal(got, again)
 
 
 def test_one_token_split_counters_give_the_same_bits_every_launch(kernels):

@@ -99,7 +99,7 @@ class TritonKernels(KernelBackend):
         if gemv is not None:
             out = gemv(rows, [(weight.values, weight.scales)], quantize=True, pdl=self.pdl)
         elif weight.fmt is WeightFormat.FP8 and self._decode_form(rows.shape[0]):
-            out = fp8_decode_mm(rows, weight.values, weight.scales)
+            out = fp8_decode_mm(rows, [(weight.values, weight.scales)])
         elif weight.fmt is WeightFormat.FP8:  # the faster kernel for FP8 (triton_bf16_mm's docstring)
             out = bf16_mm(act_quant_bf16(rows), weight.values, weight.scales, weight.fmt)
         else:
@@ -107,13 +107,21 @@ class TritonKernels(KernelBackend):
         return out.view(*shape[:-1], -1)
 
     def quantized_linears(self, x: torch.Tensor, weights: Sequence[QuantizedWeight]) -> list[torch.Tensor]:
-        """Two FP8 projections of a few tokens in one launch (a matrix-vector kernel); otherwise one by one."""
+        """Two FP8 projections of a few tokens in one launch (a matrix-vector kernel, or the decode form
+        from ``tile_configs.MMA_GEMV_MAX_TOKENS`` + 1 tokens on); otherwise one by one."""
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        gemv = self._matrix_vector(rows.shape[0], *weights)
-        if len(weights) != 2 or gemv is None or weights[0].in_features != weights[1].in_features:
+        pair = [(w.values, w.scales) for w in weights]
+        if len(weights) != 2 or weights[0].in_features != weights[1].in_features or \
+                any(w.fmt is not WeightFormat.FP8 for w in weights):
             return super().quantized_linears(x, weights)
-        out = gemv(rows, [(w.values, w.scales) for w in weights], quantize=True, pdl=self.pdl)
+        gemv = self._matrix_vector(rows.shape[0], *weights)
+        if gemv is not None:
+            out = gemv(rows, pair, quantize=True, pdl=self.pdl)
+        elif self._decode_form(rows.shape[0]):
+            out = fp8_decode_mm(rows, pair)
+        else:
+            return super().quantized_linears(x, weights)
         first = weights[0].out_features
         return [out[:, :first].view(*shape[:-1], -1), out[:, first:].view(*shape[:-1], -1)]
 

@@ -17,6 +17,9 @@ points, for the small M of decode steps, where the weight's bytes are the whole 
   and 85.7 -> 73.7 µs at 16 (``docs/benchmarks.md``). Tried before and not kept: e4m3 products on
   the FP8 tensor cores (their sums inside a 32-column block are not exact: 0.5-1.4% of outputs moved
   by more than one bf16 ulp).
+  Two projections of one input (``quantized_linears``: ``wq_a`` and ``wkv``, the two ``wq_b``, the
+  shared expert's ``w1`` and ``w3``) take one round trip and one launch: the second weight's row tiles
+  follow the first's in the grid, its outputs the first's columns, as in the matrix-vector forms.
 * ``decode_mm``: the other bf16-operand products (the grouped ``wo_a`` with its bf16 activation,
   the bf16 head), what ``triton_bf16_mm.bf16_mm`` computes, with the weight tile expanded to bf16.
 
@@ -40,6 +43,7 @@ uses ``bf16_mm`` at every M.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -57,17 +61,21 @@ MAX_TOKENS = 64
 
 
 @triton.jit
-def _decode_mm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
+def _decode_mm_kernel(a_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, M, N, N2, K, k_per_split,
                       stride_am, stride_ag, stride_wn, stride_wg, stride_sn, stride_sg, stride_os, stride_om,
                       B_FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
                       BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr, OUT_F32: tl.constexpr,
                       EXACT_DOT: tl.constexpr):
     pid_w, split, group = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)  # output features (weight rows of this group)
+    # the first weight's row tiles (of this group), then the second's, whose outputs follow the first's
+    tiles = tl.cdiv(N, BLOCK_W)
+    if pid_w < tiles:
+        weights, scales, tile, first_col, n = w_ptr + group * stride_wg, s_ptr + group * stride_sg, pid_w, group * N, N
+    else:
+        weights, scales, tile, first_col, n = w2_ptr, s2_ptr, pid_w - tiles, N, N2
+    offs_w = tile * BLOCK_W + tl.arange(0, BLOCK_W)  # output features (weight rows)
     offs_t = tl.arange(0, BLOCK_T)  # tokens
     a_ptr += group * stride_ag
-    w_ptr += group * stride_wg
-    s_ptr += group * stride_sg
     acc = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
     k_begin = split * k_per_split
     # the last split may reach past K: its loop stops there, so with EVEN_K every step is whole and its
@@ -77,14 +85,14 @@ def _decode_mm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
         a_mask = offs_t[:, None] < M
         a = tl.load(a_ptr + offs_t[:, None] * stride_am + offs_k[None, :],
                     mask=a_mask if EVEN_K else a_mask & (offs_k[None, :] < K), other=0.0)
-        w = weight_rows(w_ptr, s_ptr, offs_w, k0, N, K, stride_wn, stride_sn, B_FMT, BLOCK_W, BLOCK_K,
+        w = weight_rows(weights, scales, offs_w, k0, n, K, stride_wn, stride_sn, B_FMT, BLOCK_W, BLOCK_K,
                         EVEN_K, EXACT_DOT)
         if EXACT_DOT:  # the interpreter multiplies 16-bit dot operands wrongly; fp32 gives the same exact products
             acc = tl.dot(w.to(tl.float32), tl.trans(a).to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(w, tl.trans(a), acc)
-    cols = group * N + offs_w  # the output's columns: groups side by side
-    mask = (offs_t[None, :] < M) & (offs_w[:, None] < N)
+    cols = first_col + offs_w  # the output's columns: groups (or the two weights) side by side
+    mask = (offs_t[None, :] < M) & (offs_w[:, None] < n)
     out_ptr += split * stride_os + offs_t[None, :] * stride_om + cols[:, None]
     if PARTIAL or OUT_F32:
         tl.store(out_ptr, acc, mask=mask)
@@ -142,45 +150,68 @@ def _check_rows(m: int) -> None:
         raise ValueError(f"the decode form takes at most {MAX_TOKENS} rows, got {m}")
 
 
-def fp8_decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def fp8_decode_mm(a: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """``a [M, K]`` bf16 (M <= ``MAX_TOKENS``, K a multiple of 32) through its FP8 round trip per 32,
-    times the FP8 weight ``values [N, K]`` with its UE8M0 ``scales [N/32, K/32]`` -> ``[M, N]`` bf16."""
+    times one or two FP8 weights ``(values [N, K], scales [N/32, K/32])`` (UE8M0 scales) -> ``[M, N (+ N2)]``
+    bf16, the second weight's outputs after the first's: two projections of one input in one launch."""
     m, k = a.shape
     _check_rows(m)
     if k % 32:
         raise ValueError(f"FP8 linears take K a multiple of 32, got {k}")
-    return decode_mm(act_quant_bf16(a.contiguous()), values, scales, WeightFormat.FP8, cfg=fp8_decode_config(m))
+    (values, scales), second = weights[0], weights[1:]
+    return decode_mm(act_quant_bf16(a.contiguous()), values, scales, WeightFormat.FP8, cfg=fp8_decode_config(m),
+                     second=second[0] if second else None)
 
 
 def decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None, fmt: WeightFormat,
-              groups: int = 1, out_dtype: torch.dtype = torch.bfloat16, cfg: DecodeConfig | None = None) -> torch.Tensor:
+              groups: int = 1, out_dtype: torch.dtype = torch.bfloat16, cfg: DecodeConfig | None = None,
+              second: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """``a [M, G*K]`` bf16 (M <= ``MAX_TOKENS``; group g reads columns g*K..) times ``W [G*N, K]``
     (FP8 expanded with its scales, or BF16 with ``scales`` None) -> ``[M, G*N]`` in ``out_dtype``;
-    ``cfg``: the config (default: ``decode_mm_config``'s)."""
+    ``cfg``: the config (default: ``decode_mm_config``'s); ``second``: a second weight ``(values [N2, K],
+    scales)`` of the same format times the same ``a`` (one group), its outputs in columns N..N+N2."""
     m = a.shape[0]
     k = a.shape[1] // groups
     n = values.shape[0] // groups
+    n2 = second[0].shape[0] if second is not None else 0
     _check_rows(m)
-    out = torch.empty(m, groups * n, dtype=out_dtype, device=a.device)
+    if second is not None:
+        values, scales, second = _pair_operands(values, scales, second, k, groups)
+    out = torch.empty(m, groups * n + n2, dtype=out_dtype, device=a.device)
     if m == 0:
         return out
     if a.stride(1) != 1:
         a = a.contiguous()
     block_t = max(16, triton.next_power_of_2(m))
     cfg = fit_shared_memory(cfg or decode_mm_config(m), values.element_size(), block_t)
-    splits, k_per_split = split_count(cfg, n, k, groups, sm_count(a.device))
+    splits, k_per_split = split_count(cfg, n + n2, k, groups, sm_count(a.device))
     if fmt is WeightFormat.BF16:
         w, s, scale_rows_per_group = values, values, 0
+        w2 = s2 = second[0] if second is not None else w
     else:
         w, s = values.view(torch.uint8), scales.view(torch.uint8)
+        w2, s2 = (second[0].view(torch.uint8), second[1].view(torch.uint8)) if second is not None else (w, s)
         scale_rows_per_group = n // 32
     partial = splits > 1
-    target = torch.empty(splits, m, groups * n, dtype=torch.float32, device=a.device) if partial else out
-    _decode_mm_kernel[(triton.cdiv(n, cfg.block_w), splits, groups)](
-        a, w, s, target, m, n, k, k_per_split,
+    width = groups * n + n2
+    target = torch.empty(splits, m, width, dtype=torch.float32, device=a.device) if partial else out
+    tiles = triton.cdiv(n, cfg.block_w) + triton.cdiv(n2, cfg.block_w)
+    _decode_mm_kernel[(tiles, splits, groups)](
+        a, w, s, w2, s2, target, m, n, n2, k, k_per_split,
         a.stride(0), k, w.stride(0), n * w.stride(0), s.stride(0), scale_rows_per_group * s.stride(0),
-        m * groups * n if partial else 0, groups * n,
+        m * width if partial else 0, width,
         B_FMT=FORMAT_CODES[fmt], BLOCK_T=block_t, BLOCK_W=cfg.block_w, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, PARTIAL=partial, OUT_F32=out_dtype == torch.float32, EXACT_DOT=INTERPRETED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return _sum_splits(target, out) if partial else out
+
+
+def _pair_operands(values: torch.Tensor, scales: torch.Tensor | None, second: tuple[torch.Tensor, torch.Tensor | None],
+                   k: int, groups: int):
+    """A pair's two weights made contiguous (the kernel steps through the rows of both with one stride)."""
+    if groups != 1 or values.shape[1] != k or second[0].shape[1] != k:
+        raise ValueError(f"a pair of weights takes one group and the same K, got {groups} groups, "
+                         f"K = {values.shape[1]} and {second[0].shape[1]}")
+    def contiguous(t):
+        return t.contiguous() if t is not None else None
+    return values.contiguous(), contiguous(scales), (second[0].contiguous(), contiguous(second[1]))
