@@ -257,16 +257,24 @@ def main() -> int:
                      "out_ptr": "*fp32" if partial or out_f32 else "*bf16"}
             check(f"decode_mm fmt={b_fmt} partial={partial} {cfg}", triton_decode_mm._decode_mm_kernel, types,
                   {"B_FMT": b_fmt, "BLOCK_T": block_t, "BLOCK_W": cfg.block_w, "BLOCK_K": cfg.block_k,
-                   "EVEN_K": True, "PARTIAL": partial, "OUT_F32": out_f32, "EXACT_DOT": False}, cfg,
+                   "EVEN_K": True, "SCALE_WORDS": b_fmt == 0, "PARTIAL": partial, "OUT_F32": out_f32,
+                   "EXACT_DOT": False}, cfg,
                   aligned=decode_aligned, spill_free=True, inspect=copied_ahead)
+    def scales_copied_ahead(kernel) -> list[str]:  # the scale words too: 4-byte asynchronous copies
+        return copied_ahead(kernel) + ([] if re.search(r"LDGSTS\.E\s", kernel.asm["sass"]) else
+                                       ["the scale words are not copied ahead"])
+
     for bound, cfg in tile_configs._FP8_DECODE_TABLE:  # the FP8 linears: the same kernel, FP8 weights
-        for block_t, partial in ((16, True), (bound, True), (bound, False)):  # the smallest and largest token tile
+        # the smallest and largest token tile; scales read as words (the real shapes) or as bytes
+        for block_t, partial, words in ((16, True, True), (bound, True, True), (bound, False, True),
+                                        (bound, True, False)):
             types = {**decode, "w_ptr": "*u8", "s_ptr": "*u8", "w2_ptr": "*u8", "s2_ptr": "*u8",
                      "out_ptr": "*fp32" if partial else "*bf16"}
-            check(f"fp8_decode_mm tokens={block_t} partial={partial} {cfg}", triton_decode_mm._decode_mm_kernel,
-                  types, {"B_FMT": 0, "BLOCK_T": block_t, "BLOCK_W": cfg.block_w, "BLOCK_K": cfg.block_k,
-                          "EVEN_K": True, "PARTIAL": partial, "OUT_F32": False, "EXACT_DOT": False}, cfg,
-                  aligned=decode_aligned, spill_free=True, inspect=copied_ahead)
+            check(f"fp8_decode_mm tokens={block_t} partial={partial} scale_words={words} {cfg}",
+                  triton_decode_mm._decode_mm_kernel, types,
+                  {"B_FMT": 0, "BLOCK_T": block_t, "BLOCK_W": cfg.block_w, "BLOCK_K": cfg.block_k, "EVEN_K": True,
+                   "SCALE_WORDS": words, "PARTIAL": partial, "OUT_F32": False, "EXACT_DOT": False}, cfg,
+                  aligned=decode_aligned, spill_free=True, inspect=scales_copied_ahead if words else copied_ahead)
     def streamed_by_tma(kernel) -> list[str]:
         return [] if "UTMALDG" in kernel.asm["sass"] else ["no tensor-memory-accelerator load"]
 

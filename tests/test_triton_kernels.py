@@ -243,7 +243,8 @@ def test_fp32_linear_matches_reference(rows, n):
 
 
 @pytest.mark.parametrize("max_splits", [1, 64])  # one split (direct store) / several splits (partials)
-@pytest.mark.parametrize("m,fp8_step", [(1, 32), (7, 128), (33, 64)])  # FP8: splits of 1, 4 or 2 scale blocks
+# FP8: splits of 1, 4 or 2 scale blocks (4: the scales read as 32-bit words, ``triton_weight_tiles.scale_words``)
+@pytest.mark.parametrize("m,fp8_step", [(1, 32), (7, 128), (33, 64)])
 def test_decode_form_matches_reference(max_splits, m, fp8_step, monkeypatch):
     """The split-K decode form (M <= 64) of every bf16-operand product against its reference twin."""
     from model.kernels import tile_configs, triton_decode_mm
@@ -286,7 +287,8 @@ def test_decode_form_takes_two_projections_of_one_input_in_one_launch(max_splits
     one split each output element is one program's whole sum, so the bits of each projection alone."""
     from model.kernels import tile_configs, triton_backend
 
-    fp8_cfg = tile_configs.DecodeConfig(64, 64, 4, 3, programs_per_sm=64, max_splits=max_splits)
+    # 128-column steps: the scales read as 32-bit words (``triton_weight_tiles.scale_words``)
+    fp8_cfg = tile_configs.DecodeConfig(64, 128, 4, 3, programs_per_sm=64, max_splits=max_splits)
     monkeypatch.setattr(tile_configs, "_FP8_DECODE_TABLE", ((64, fp8_cfg),))
     launches = []
     real = triton_backend.fp8_decode_mm
@@ -321,3 +323,13 @@ def test_decode_form_split_count_fills_the_gpu():
     assert split_count(one_wave, 32768, 1280, 1, 132) == (1, 1280)  # wq_b: 256 tiles, no split
     assert split_count(one_wave, 5120, 8192, 1, 132) == (6, 1376)  # wo_b: 40 tiles x 6 splits = 240
     assert split_count(one_wave, 512, 5120, 1, 132) == (54, 96)  # wkv: 4 tiles x at most 64 splits
+
+
+def test_scales_are_read_as_words_only_where_whole_aligned_words_exist():
+    from model.kernels.triton_weight_tiles import scale_words
+
+    scales = torch.zeros(64, 160, dtype=torch.uint8)  # K = 5120: 160 scale bytes a row
+    assert scale_words(scales, 5120, 128) and scale_words(scales, 5120, 256)
+    assert not scale_words(scales, 5120, 64)  # two blocks a step: half a word
+    assert not scale_words(scales[:, 1:], 5120, 128)  # a start past the word's
+    assert not scale_words(torch.zeros(64, 42, dtype=torch.uint8), 1344, 128)  # K not whole steps

@@ -53,7 +53,7 @@ from ..config import WeightFormat
 from .tile_configs import DecodeConfig, decode_mm_config, fp8_decode_config
 from .triton_common import INTERPRETED, sm_count, to_bf16
 from .triton_scaled_mm import act_quant_bf16
-from .triton_weight_tiles import FORMAT_CODES, weight_rows
+from .triton_weight_tiles import FORMAT_CODES, row_exponents, scale_words, scaled_rows
 
 # the decode form takes M <= this (one token tile); at M = 256 it measured slower than the
 # prefill form (the weight re-read per 64-token tile costs more than the split saves)
@@ -64,8 +64,8 @@ MAX_TOKENS = 64
 def _decode_mm_kernel(a_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, M, N, N2, K, k_per_split,
                       stride_am, stride_ag, stride_wn, stride_wg, stride_sn, stride_sg, stride_os, stride_om,
                       B_FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
-                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr, OUT_F32: tl.constexpr,
-                      EXACT_DOT: tl.constexpr):
+                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SCALE_WORDS: tl.constexpr, PARTIAL: tl.constexpr,
+                      OUT_F32: tl.constexpr, EXACT_DOT: tl.constexpr):
     pid_w, split, group = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # the first weight's row tiles (of this group), then the second's, whose outputs follow the first's
     tiles = tl.cdiv(N, BLOCK_W)
@@ -85,8 +85,8 @@ def _decode_mm_kernel(a_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, M, N, N2, K,
         a_mask = offs_t[:, None] < M
         a = tl.load(a_ptr + offs_t[:, None] * stride_am + offs_k[None, :],
                     mask=a_mask if EVEN_K else a_mask & (offs_k[None, :] < K), other=0.0)
-        w = weight_rows(weights, scales, offs_w, k0, n, K, stride_wn, stride_sn, B_FMT, BLOCK_W, BLOCK_K,
-                        EVEN_K, EXACT_DOT)
+        exponents = row_exponents(scales, offs_w, k0, n, K, stride_sn, B_FMT, BLOCK_W, BLOCK_K, SCALE_WORDS)
+        w = scaled_rows(weights, exponents, offs_w, k0, n, K, stride_wn, B_FMT, BLOCK_W, BLOCK_K, EVEN_K, EXACT_DOT)
         if EXACT_DOT:  # the interpreter multiplies 16-bit dot operands wrongly; fp32 gives the same exact products
             acc = tl.dot(w.to(tl.float32), tl.trans(a).to(tl.float32), acc, input_precision="ieee")
         else:
@@ -201,7 +201,8 @@ def decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None
         a.stride(0), k, w.stride(0), n * w.stride(0), s.stride(0), scale_rows_per_group * s.stride(0),
         m * width if partial else 0, width,
         B_FMT=FORMAT_CODES[fmt], BLOCK_T=block_t, BLOCK_W=cfg.block_w, BLOCK_K=cfg.block_k,
-        EVEN_K=k % cfg.block_k == 0, PARTIAL=partial, OUT_F32=out_dtype == torch.float32, EXACT_DOT=INTERPRETED,
+        EVEN_K=k % cfg.block_k == 0, SCALE_WORDS=fmt is not WeightFormat.BF16 and all(
+            scale_words(t, k, cfg.block_k) for t in (s, s2)), PARTIAL=partial, OUT_F32=out_dtype == torch.float32, EXACT_DOT=INTERPRETED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return _sum_splits(target, out) if partial else out
 

@@ -4,7 +4,9 @@ Format codes (``FORMAT_CODES``, a kernel's ``B_FMT``): 0 = FP8 (e4m3 bytes, one 
 32x32 tile), 1 = FP4 (packed e2m1, element 2k in the low nibble, one UE8M0 scale per row and 32
 columns), 2 = plain bf16, 3 = FP4 in the fragment layout (``fp4_fragments.py``). ``weight_rows``
 gives a tile of whole weight rows as bf16 with the scales applied, which is exact (e4m3 or e2m1 times
-a power of two): the operand of the decode-form products and of the experts' kernels;
+a power of two): the operand of the decode-form products and of the experts' kernels (the decode
+form reads the tile's scale bytes apart, ``row_exponents``, as 32-bit words that join the weight's
+asynchronous copies, and expands with them, ``scaled_rows``);
 ``fragment_tile`` gives the same tile of a matrix in the fragment layout, at ~2 instructions per
 value instead of ~7; ``e4m3_words_to_f32`` expands FP8 weights loaded as int32 words to fp32 (the
 one-token products, ``triton_gemv``) at 1.5 instructions per value.
@@ -32,6 +34,46 @@ def weight_rows(w_ptr, s_ptr, offs_w, k0, N, K, stride_wn, stride_sn, B_FMT: tl.
     """bf16 ``[BLOCK_W, BLOCK_K]``: weight rows ``offs_w``, columns ``k0..`` (``k0`` a multiple of 32),
     scales applied; zero past row N or column K. ``EVEN_K``: K is a multiple of BLOCK_K, so no column
     mask, which would cut the loads into single bytes that the compiler cannot stream ahead."""
+    exponents = row_exponents(s_ptr, offs_w, k0, N, K, stride_sn, B_FMT, BLOCK_W, BLOCK_K, False)
+    return scaled_rows(w_ptr, exponents, offs_w, k0, N, K, stride_wn, B_FMT, BLOCK_W, BLOCK_K, EVEN_K, INTERPRETED)
+
+
+@triton.jit
+def row_exponents(s_ptr, offs_w, k0, N, K, stride_sn, B_FMT: tl.constexpr, BLOCK_W: tl.constexpr,
+                  BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
+    """``[BLOCK_W, BLOCK_K / 32]``: the UE8M0 scale bytes of weight rows ``offs_w``, columns ``k0..``
+    (zero past row N or column K; none for bf16).
+
+    ``WORDS`` (``scale_words``): loaded as 32-bit words, four blocks each, and split into bytes. Single
+    bytes are too narrow for the compiler's asynchronous copies: loaded in the step that uses them, each
+    step waits for them the whole latency of a global load, where words join the weight's pipeline."""
+    scale_rows = offs_w // 32 if B_FMT == 0 else offs_w  # FP8: one per 32x32 tile; FP4: one per row and 32
+    if B_FMT == 2:
+        exponents = tl.zeros((BLOCK_W, BLOCK_K // 32), dtype=tl.uint8)
+    elif WORDS:
+        word_cols = k0 // 128 + tl.arange(0, BLOCK_K // 128)
+        words = tl.load(s_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+                        + scale_rows[:, None] * (stride_sn // 4) + word_cols[None, :],
+                        mask=offs_w[:, None] < N, other=0)
+        parts = (words[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 255  # little-endian: block 4w first
+        exponents = tl.reshape(parts, (BLOCK_W, BLOCK_K // 32)).to(tl.uint8)
+    else:
+        blocks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        exponents = tl.load(s_ptr + scale_rows[:, None] * stride_sn + blocks[None, :],
+                            mask=(offs_w[:, None] < N) & (blocks[None, :] * 32 < K), other=0)
+    return exponents
+
+
+def scale_words(scales, k: int, block_k: int) -> bool:
+    """Whether ``row_exponents`` may read these scales (rows of ``k / 32`` bytes) as 32-bit words in steps
+    of ``block_k`` columns: whole words per step and per row, from a 4-byte aligned start."""
+    return block_k % 128 == 0 and k % block_k == 0 and scales.data_ptr() % 4 == 0 and scales.stride(0) % 4 == 0
+
+
+@triton.jit
+def scaled_rows(w_ptr, exponents, offs_w, k0, N, K, stride_wn, B_FMT: tl.constexpr, BLOCK_W: tl.constexpr,
+                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``weight_rows`` with the tile's scale bytes given (``row_exponents``)."""
     row_mask = offs_w[:, None] < N
     if B_FMT == 2:
         cols = k0 + tl.arange(0, BLOCK_K)
@@ -43,7 +85,6 @@ def weight_rows(w_ptr, s_ptr, offs_w, k0, N, K, stride_wn, stride_sn, B_FMT: tl.
             raw = tl.load(w_ptr + offs_w[:, None] * stride_wn + cols[None, :],
                           mask=row_mask if EVEN_K else row_mask & (cols[None, :] < K), other=0)
             values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            scale_rows = offs_w // 32
             bias = 0
         else:
             cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -51,12 +92,8 @@ def weight_rows(w_ptr, s_ptr, offs_w, k0, N, K, stride_wn, stride_sn, B_FMT: tl.
                           mask=row_mask if EVEN_K else row_mask & (cols[None, :] * 2 < K), other=0)
             low, high = e2m1_bytes_to_fp16(raw, INTERPRETED)
             values = tl.reshape(tl.join(low, high), (BLOCK_W, BLOCK_K)).to(tl.float32)  # low nibble first
-            scale_rows = offs_w
             bias = 14  # the fp16 form is the e2m1 value times 2**-14
-        blocks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        exponents = tl.load(s_ptr + scale_rows[:, None] * stride_sn + blocks[None, :],
-                            mask=row_mask if EVEN_K else row_mask & (blocks[None, :] * 32 < K), other=0).to(tl.int32)
-        scale = ((exponents + bias) << 23).to(tl.float32, bitcast=True)  # UE8M0 byte e -> 2**(e - 127)
+        scale = ((exponents.to(tl.int32) + bias) << 23).to(tl.float32, bitcast=True)  # UE8M0 byte e -> 2**(e - 127)
         tile = tl.reshape(values, (BLOCK_W, BLOCK_K // 32, 32)) * scale[:, :, None]
         tile = tl.reshape(tile, (BLOCK_W, BLOCK_K)).to(tl.bfloat16)
     return tile
