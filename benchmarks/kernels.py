@@ -154,8 +154,6 @@ def _import_kernels() -> None:
     global ReferenceKernels, TritonKernels, GAINS, DECODE_FORM_MAX_M, matrix_vector_kernel, triton_gemv
     import triton as _triton
 
-    from model.kernels.triton_decode_mm import MAX_TOKENS
-
     from model import checkpoint_maker
     from model.config import WeightFormat as _WeightFormat
     from model.kernels import tile_configs as _tile_configs
@@ -167,7 +165,7 @@ def _import_kernels() -> None:
     from model.kernels.weights import QuantizedWeight as _QuantizedWeight
 
     triton, tile_configs = _triton, _tile_configs
-    DECODE_FORM_MAX_M = MAX_TOKENS
+    DECODE_FORM_MAX_M = _tile_configs.decode_form_max_tokens(fp8=True)
     QuantizedWeight, ExpertWeights, WeightFormat = _QuantizedWeight, _ExpertWeights, _WeightFormat
     TileConfig = _tile_configs.TileConfig
     ReferenceKernels, TritonKernels = _ReferenceKernels, _TritonKernels

@@ -53,14 +53,14 @@ def test_fp8_linear_real_shapes(kernels, name):
     x = torch.randn(300, k, device="cuda", generator=gen).bfloat16()
     full = triton_k.quantized_linear(x, weight)
     assert_close_to_reference(full, reference.quantized_linear(x, weight))
-    for m in (1, 7, 16, 33, 64, 200):  # other tile configs, same rows: bit-identical
+    for m in (1, 7, 16, 33, 64, 100, 200, 256):  # other tile configs, same rows: bit-identical
         assert torch.equal(triton_k.quantized_linear(x[:m], weight), full[:m]), f"M={m}"
         decoded = decode_k.quantized_linear(x[:m], weight)  # the split-K decode form
         assert_close_to_reference(decoded, reference.quantized_linear(x[:m], weight))
         assert torch.equal(decode_k.quantized_linear(x[:m], weight), decoded), f"M={m}: not deterministic"
 
 
-@pytest.mark.parametrize("m", [1, 16, 33, 64])  # the matrix-vector form, then the decode form
+@pytest.mark.parametrize("m", [1, 16, 33, 64, 200])  # the matrix-vector form, then the decode form
 @pytest.mark.parametrize("pair", [("wq_a", "wkv"), ("shared_w1", "shared_w1"),  # w3 has w1's shape
                                   ("wq_b", "indexer_wq_b")])
 def test_two_projections_of_one_input_real_shapes(kernels, pair, m):

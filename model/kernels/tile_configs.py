@@ -108,7 +108,16 @@ _DECODE_MM_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
 _FP8_DECODE_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
     (16, DecodeConfig(64, 128, 4, 3, 4, one_wave=True)),
     (64, DecodeConfig(128, 128, 4, 3, 2, one_wave=True)),
+    # 65-256 tokens in one token tile (the weight expanded once for all of them; 256 tokens: 64-column steps,
+    # what fits in shared memory): seven of a layer's shapes on one H200 took 164.4 µs at 128 tokens and
+    # 262.4 at 256, against 285.3 and 372.7 in the prefill form (docs/benchmarks.md)
+    (256, DecodeConfig(128, 128, 8, 3, 1, one_wave=True)),
 )
+
+
+def decode_form_max_tokens(fp8: bool) -> int:
+    """The most tokens that ``triton_decode_mm`` takes: for the FP8 linears, or for the other products."""
+    return (_FP8_DECODE_TABLE if fp8 else _DECODE_MM_TABLE)[-1][0]
 
 
 def decode_mm_config(m: int) -> DecodeConfig:

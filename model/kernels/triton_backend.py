@@ -19,7 +19,6 @@ from .fp4_fragments import fragments_exact, fragments_fit
 from .reference import ReferenceKernels
 from .triton_bf16_mm import BLOCK_K as BF16_MM_BLOCK_K
 from .triton_bf16_mm import bf16_mm
-from .triton_decode_mm import MAX_TOKENS as DECODE_MAX_TOKENS
 from .triton_decode_mm import decode_mm, fp8_decode_mm
 from . import tile_configs, triton_gemv, triton_mma_experts, triton_mma_gemv
 from .triton_moe import BLOCK_K as MOE_BLOCK_K
@@ -77,8 +76,9 @@ class TritonKernels(KernelBackend):
         # bf16 checkpoints (no quantized weights) are rare: their few products go through torch
         self._plain = ReferenceKernels(batch_invariant=False)
 
-    def _decode_form(self, m: int) -> bool:
-        return not self.batch_invariant and 0 < m <= DECODE_MAX_TOKENS
+    def _decode_form(self, m: int, fp8: bool = False) -> bool:
+        """Whether ``m`` tokens take the decode form: the FP8 linears' (``fp8``) or the other products'."""
+        return not self.batch_invariant and 0 < m <= tile_configs.decode_form_max_tokens(fp8)
 
     def _matrix_vector(self, m: int, *weights: QuantizedWeight):
         """The matrix-vector kernel that takes these FP8 weights' products of ``m`` tokens outside the
@@ -98,7 +98,7 @@ class TritonKernels(KernelBackend):
         gemv = self._matrix_vector(rows.shape[0], weight)
         if gemv is not None:
             out = gemv(rows, [(weight.values, weight.scales)], quantize=True, pdl=self.pdl)
-        elif weight.fmt is WeightFormat.FP8 and self._decode_form(rows.shape[0]):
+        elif weight.fmt is WeightFormat.FP8 and self._decode_form(rows.shape[0], fp8=True):
             out = fp8_decode_mm(rows, [(weight.values, weight.scales)])
         elif weight.fmt is WeightFormat.FP8:  # the faster kernel for FP8 (triton_bf16_mm's docstring)
             out = bf16_mm(act_quant_bf16(rows), weight.values, weight.scales, weight.fmt)
@@ -118,7 +118,7 @@ class TritonKernels(KernelBackend):
         gemv = self._matrix_vector(rows.shape[0], *weights)
         if gemv is not None:
             out = gemv(rows, pair, quantize=True, pdl=self.pdl)
-        elif self._decode_form(rows.shape[0]):
+        elif self._decode_form(rows.shape[0], fp8=True):
             out = fp8_decode_mm(rows, pair)
         else:
             return super().quantized_linears(x, weights)

@@ -55,9 +55,9 @@ from .triton_common import INTERPRETED, sm_count, to_bf16
 from .triton_scaled_mm import act_quant_bf16
 from .triton_weight_tiles import FORMAT_CODES, row_exponents, scale_words, scaled_rows
 
-# the decode form takes M <= this (one token tile); at M = 256 it measured slower than the
-# prefill form (the weight re-read per 64-token tile costs more than the split saves)
-MAX_TOKENS = 64
+# the kernel takes M <= this (one token tile); which products take it up to which M is the tables' last
+# bound (``tile_configs.decode_form_max_tokens``)
+MAX_TOKENS = 256
 
 
 @triton.jit
