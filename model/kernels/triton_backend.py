@@ -54,7 +54,8 @@ class TritonKernels(KernelBackend):
     ``triton_bf16_mm``); otherwise the FP8 products of one or two tokens take the matrix-vector form
     (``triton_gemv``, two projections of one input in one launch), those of 3-8 tokens the tensor cores
     fed from registers (``triton_mma_gemv``: ``tile_configs.MMA_GEMV_MIN_TOKENS`` to ``MAX_TOKENS``) and
-    the others of at most ``decode_mm.MAX_TOKENS`` rows the split-K decode form (``triton_decode_mm``);
+    the others the split-K decode form (``triton_decode_mm``) up to ``tile_configs.decode_form_max_tokens``
+    (the FP8 linears: 256 tokens; ``wo_a`` and the head: 64);
     the routed experts of a step with up to ``tile_configs.MMA_EXPERTS_MAX_PAIRS`` pairs per expert take
     ``triton_mma_experts``, all others ``triton_moe``. The sparse attention is one launch per layer
     (``triton_sparse_attention``), where its torch twin takes ~120 small kernels; mHC's coefficients

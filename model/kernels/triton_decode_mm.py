@@ -26,7 +26,8 @@ points, for the small M of decode steps, where the weight's bytes are the whole 
 Both take the products transposed and split K:
 
 * operands swapped (``C^T = W a^T``): weight rows fill the tensor cores' 64-row side, the tokens
-  (16 to 64, padded) the narrow side, so no instruction row is wasted on absent tokens;
+  (16 to 256, padded to a power of two) the narrow side, so no instruction row is wasted on absent tokens
+  and each weight tile is expanded once for all of them;
 * split-K: K is cut into ``splits`` equal ranges so that there are a few programs per SM even for
   the narrow matrices (``wkv`` has 4 tiles of 128 rows). Each program writes its fp32 partial sums;
   ``_sum_splits_kernel`` adds them in split order (deterministic: the same inputs give the same
