@@ -268,12 +268,14 @@ def main() -> int:
         # the smallest and largest token tile; scales read as words (the real shapes) or as bytes
         for block_t, partial, words in ((16, True, True), (bound, True, True), (bound, False, True),
                                         (bound, True, False)):
+            fitted = triton_decode_mm.fit_shared_memory(cfg, 1, block_t)  # as at run time: FP8 weights, this tile
+            words = words and fitted.block_k % 128 == 0  # (``scale_words``: whole words per step)
             types = {**decode, "w_ptr": "*u8", "s_ptr": "*u8", "w2_ptr": "*u8", "s2_ptr": "*u8",
                      "out_ptr": "*fp32" if partial else "*bf16"}
-            check(f"fp8_decode_mm tokens={block_t} partial={partial} scale_words={words} {cfg}",
+            check(f"fp8_decode_mm tokens={block_t} partial={partial} scale_words={words} {fitted}",
                   triton_decode_mm._decode_mm_kernel, types,
-                  {"B_FMT": 0, "BLOCK_T": block_t, "BLOCK_W": cfg.block_w, "BLOCK_K": cfg.block_k, "EVEN_K": True,
-                   "SCALE_WORDS": words, "PARTIAL": partial, "OUT_F32": False, "EXACT_DOT": False}, cfg,
+                  {"B_FMT": 0, "BLOCK_T": block_t, "BLOCK_W": fitted.block_w, "BLOCK_K": fitted.block_k, "EVEN_K": True,
+                   "SCALE_WORDS": words, "PARTIAL": partial, "OUT_F32": False, "EXACT_DOT": False}, fitted,
                   aligned=decode_aligned, spill_free=True, inspect=scales_copied_ahead if words else copied_ahead)
     def streamed_by_tma(kernel) -> list[str]:
         return [] if "UTMALDG" in kernel.asm["sass"] else ["no tensor-memory-accelerator load"]
