@@ -280,16 +280,16 @@ def test_decode_form_matches_reference(max_splits, m, fp8_step, monkeypatch):
 
 
 @pytest.mark.parametrize("max_splits", [1, 64])
-@pytest.mark.parametrize("m", [9, 33])
+@pytest.mark.parametrize("m", [9, 33, 200])
 def test_decode_form_takes_two_projections_of_one_input_in_one_launch(max_splits, m, monkeypatch):
-    """``quantized_linears`` of 9-64 tokens: both FP8 weights in one launch of the decode form (the second's
+    """``quantized_linears`` of 9-256 tokens: both FP8 weights in one launch of the decode form (the second's
     row tiles after the first's, its rows not a whole tile), each output against its reference twin; with
     one split each output element is one program's whole sum, so the bits of each projection alone."""
     from model.kernels import tile_configs, triton_backend
 
     # 128-column steps: the scales read as 32-bit words (``triton_weight_tiles.scale_words``)
     fp8_cfg = tile_configs.DecodeConfig(64, 128, 4, 3, programs_per_sm=64, max_splits=max_splits)
-    monkeypatch.setattr(tile_configs, "_FP8_DECODE_TABLE", ((64, fp8_cfg),))
+    monkeypatch.setattr(tile_configs, "_FP8_DECODE_TABLE", ((256, fp8_cfg),))
     launches = []
     real = triton_backend.fp8_decode_mm
     monkeypatch.setattr(triton_backend, "fp8_decode_mm", lambda a, ws: launches.append(len(ws)) or real(a, ws))

@@ -112,10 +112,10 @@ class TritonKernels(KernelBackend):
         from ``tile_configs.MMA_GEMV_MAX_TOKENS`` + 1 tokens on); otherwise one by one."""
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        pair = [(w.values, w.scales) for w in weights]
         if len(weights) != 2 or weights[0].in_features != weights[1].in_features or \
                 any(w.fmt is not WeightFormat.FP8 for w in weights):
             return super().quantized_linears(x, weights)
+        pair = [(w.values, w.scales) for w in weights]
         gemv = self._matrix_vector(rows.shape[0], *weights)
         if gemv is not None:
             out = gemv(rows, pair, quantize=True, pdl=self.pdl)

@@ -15,9 +15,6 @@ For the FP8 linears this kernel measured faster than ``triton_scaled_mm`` on one
 accumulation per 32-block there. Products accumulate in fp32 on the tensor cores; the reference's sums differ only in
 order. Batch invariance: one program owns whole output elements and walks K from 0 in fixed steps
 of ``BLOCK_K`` (no split-K); every tile config uses the same instruction shape.
-
-The weight's scale bytes are loaded a step ahead of their use (``step_scales``): two bytes per row and
-step are too narrow for the compiler's asynchronous copies, which stream the weight and the activation.
 """
 
 from __future__ import annotations
@@ -35,28 +32,11 @@ BLOCK_K = 64  # two scale blocks of 32 per step; fixed so every config sums K in
 
 
 @triton.jit
-def step_scales(s_ptr, k0, offs_n, N, K, stride_sn, B_FMT: tl.constexpr):
-    """fp32 ``[BLOCK_N]`` x 2: the scales of weight rows ``offs_n`` at columns ``k0..k0+31`` and ``k0+32..``
-    (``k0`` a multiple of 64; 1 past row N or column K, and for a bf16 weight). The kernel loads them a step
-    ahead: single bytes are too narrow for the compiler's asynchronous copies, so loaded in the step that
-    uses them, each step would wait for them the whole latency of a global load."""
-    if B_FMT == 2:
-        one = tl.full(offs_n.shape, 1.0, dtype=tl.float32)
-        return one, one
-    scale_row = offs_n // 32  # one scale per 32x32 tile
-    first_block = k0 // 32
-    n_mask = offs_n < N
-    columns = offs_n * 0 + k0  # (a tensor, so the masks are too)
-    lo = tl.load(s_ptr + scale_row * stride_sn + first_block, mask=n_mask & (columns < K), other=127).to(tl.int32)
-    hi = tl.load(s_ptr + scale_row * stride_sn + first_block + 1, mask=n_mask & (columns + 32 < K),
-                 other=127).to(tl.int32)
-    return (lo << 23).to(tl.float32, bitcast=True), (hi << 23).to(tl.float32, bitcast=True)  # byte e -> 2**(e - 127)
+def weight_tile(w_ptr, s_ptr, k0, offs_n, N, K, stride_wn, stride_sn, B_FMT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The bf16 tile ``W[offs_n, k0:k0+64]^T`` ([64, BLOCK_N]) of a stored weight, scales applied.
 
-
-@triton.jit
-def weight_tile(w_ptr, lo, hi, k0, offs_n, N, K, stride_wn, B_FMT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The bf16 tile ``W[offs_n, k0:k0+64]^T`` ([64, BLOCK_N]) of a stored weight, scales applied
-    (``step_scales``': FP8 tiles span two 32x32 scale tiles along K)."""
+    FP8: ``k0`` is a multiple of 64, so the tile spans two 32x32 scale tiles along K.
+    """
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
     if B_FMT == 2:  # a plain bf16 weight
@@ -64,6 +44,14 @@ def weight_tile(w_ptr, lo, hi, k0, offs_n, N, K, stride_wn, B_FMT: tl.constexpr,
     else:
         raw = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask, other=0)
         values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        scale_row = offs_n // 32  # one scale per 32x32 tile
+        first_block = k0 // 32
+        n_mask = offs_n < N
+        lo = tl.load(s_ptr + scale_row * stride_sn + first_block, mask=n_mask, other=0).to(tl.int32)
+        hi = tl.load(s_ptr + scale_row * stride_sn + first_block + 1,
+                     mask=n_mask & ((offs_n * 0 + first_block * 32 + 32) < K), other=0).to(tl.int32)
+        lo = (lo << 23).to(tl.float32, bitcast=True)  # UE8M0 byte e -> 2**(e - 127)
+        hi = (hi << 23).to(tl.float32, bitcast=True)
         scale = tl.where((offs_k[:, None] % 64) < 32, lo[None, :], hi[None, :])
         tile = (values * scale).to(tl.bfloat16)  # exact: e4m3 times a power of two
     return tile
@@ -82,14 +70,11 @@ def _block_scaled_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, M, N, K,
     w_ptr += group * stride_wg
     s_ptr += group * stride_sg
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    lo, hi = step_scales(s_ptr, 0, offs_n, N, K, stride_sn, B_FMT)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :],
                     mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-        next_lo, next_hi = step_scales(s_ptr, k0 + BLOCK_K, offs_n, N, K, stride_sn, B_FMT)  # a step ahead
-        b = weight_tile(w_ptr, lo, hi, k0, offs_n, N, K, stride_wn, B_FMT, BLOCK_K)
-        lo, hi = next_lo, next_hi
+        b = weight_tile(w_ptr, s_ptr, k0, offs_n, N, K, stride_wn, stride_sn, B_FMT, BLOCK_K)
         if EXACT_DOT:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:

@@ -197,23 +197,23 @@ def decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None
     width = groups * n + n2
     target = torch.empty(splits, m, width, dtype=torch.float32, device=a.device) if partial else out
     tiles = triton.cdiv(n, cfg.block_w) + triton.cdiv(n2, cfg.block_w)
+    words = fmt is not WeightFormat.BF16 and scale_words(s, k, cfg.block_k) and scale_words(s2, k, cfg.block_k)
     _decode_mm_kernel[(tiles, splits, groups)](
         a, w, s, w2, s2, target, m, n, n2, k, k_per_split,
         a.stride(0), k, w.stride(0), n * w.stride(0), s.stride(0), scale_rows_per_group * s.stride(0),
         m * width if partial else 0, width,
         B_FMT=FORMAT_CODES[fmt], BLOCK_T=block_t, BLOCK_W=cfg.block_w, BLOCK_K=cfg.block_k,
-        EVEN_K=k % cfg.block_k == 0, SCALE_WORDS=fmt is not WeightFormat.BF16 and all(
-            scale_words(t, k, cfg.block_k) for t in (s, s2)), PARTIAL=partial, OUT_F32=out_dtype == torch.float32, EXACT_DOT=INTERPRETED,
+        EVEN_K=k % cfg.block_k == 0, SCALE_WORDS=words, PARTIAL=partial, OUT_F32=out_dtype == torch.float32,
+        EXACT_DOT=INTERPRETED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return _sum_splits(target, out) if partial else out
 
 
 def _pair_operands(values: torch.Tensor, scales: torch.Tensor | None, second: tuple[torch.Tensor, torch.Tensor | None],
                    k: int, groups: int):
-    """A pair's two weights made contiguous (the kernel steps through the rows of both with one stride)."""
+    """A pair's two weights (and scales) contiguous: the kernel steps through the rows of both with one stride."""
     if groups != 1 or values.shape[1] != k or second[0].shape[1] != k:
         raise ValueError(f"a pair of weights takes one group and the same K, got {groups} groups, "
                          f"K = {values.shape[1]} and {second[0].shape[1]}")
-    def contiguous(t):
-        return t.contiguous() if t is not None else None
-    return values.contiguous(), contiguous(scales), (second[0].contiguous(), contiguous(second[1]))
+    values, scales, *second = (t.contiguous() if t is not None else None for t in (values, scales, *second))
+    return values, scales, tuple(second)
