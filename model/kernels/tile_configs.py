@@ -106,6 +106,8 @@ _DECODE_MM_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
 # block-order kernel this replaced (118.4 µs at 64 tokens, 85.7 at 16): 128 rows x 128 columns, 4 warps, 3
 # stages, 2 programs per SM took 99.6 / 78.6 µs, 64 rows at 4 per SM 114.8 / 73.7 (docs/benchmarks.md)
 _FP8_DECODE_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
+    # (ptxas runs this tile's wgmmas one at a time, the 128-row tiles' not; still, a layer's nine projections
+    # at 16 tokens on one H100 took 107.7 µs here against 111.9 with 128 rows and 116.4 on two warps)
     (16, DecodeConfig(64, 128, 4, 3, 4, one_wave=True)),
     (64, DecodeConfig(128, 128, 4, 3, 2, one_wave=True)),
     # 65-256 tokens in one token tile (the weight expanded once for all of them; 256 tokens: 64-column steps,

@@ -16,7 +16,10 @@ points, for the small M of decode steps, where the weight's bytes are the whole 
   four of the layer's shapes (``wo_b``, ``wq_b``, ``w1``, ``wkv``) 118.4 -> 99.6 µs at 64 tokens
   and 85.7 -> 73.7 µs at 16 (``docs/benchmarks.md``). Tried before and not kept: e4m3 products on
   the FP8 tensor cores (their sums inside a 32-column block are not exact: 0.5-1.4% of outputs moved
-  by more than one bf16 ulp).
+  by more than one bf16 ulp); the round trip taken in this kernel's loop (every row tile and split
+  rounds the activation again), the weight expanded one 32-column block at a time, and the expansion
+  through bf16 instead of fp32 (fewer instructions, slower): all three slower on one H100 at 16-256
+  tokens (``docs/benchmarks.md``).
   Two projections of one input (``quantized_linears``: ``wq_a`` and ``wkv``, the two ``wq_b``, the
   shared expert's ``w1`` and ``w3``) take one round trip and one launch: the second weight's row tiles
   follow the first's in the grid, its outputs the first's columns, as in the matrix-vector forms.
