@@ -301,6 +301,7 @@ TABLE_SUFFIXES: dict[str, tuple[tuple[str, object], ...]] = {
     "sort": (("MMA_EXPERTS_UNSORTED_PAIRS", 0),),
     "noshape": (("_GEMV_BY_SHAPE", {}), ("_MMA_GEMV_BY_SHAPE", {})),
     "noring": (("MMA_GEMV_RING", False),),
+    "noready": (("ROUND_TRIP_IN_PRODUCERS", False),),
 }
 
 
@@ -331,7 +332,9 @@ def main() -> int:
                              "instead of triton_gemv, -sort triton_mma_experts' pair sort in every step, -noshape "
                              "the matrix-vector kernels' per-launch configs set aside (the tables by M only), -noring "
                              "triton_mma_gemv's weight into registers even where its config has a ring (the same "
-                             "configs, not the tables from before the ring; these six: in-process engine only), -pdl "
+                             "configs, not the tables from before the ring), -noready every FP8 product of the decode "
+                             "and prefill forms rounding its own input instead of its producer (ROUND_TRIP_IN_PRODUCERS "
+                             "off; these seven: in-process engine only), -pdl "
                              "programmatic dependent launch on (--enable-pdl) for that run")
     parser.add_argument("--batch", default="1,8,32,128,256", help="sequences per DP rank")
     parser.add_argument("--dp", type=int, default=1,

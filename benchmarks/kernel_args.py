@@ -51,6 +51,9 @@ def parse_args(argv=None, description: str = ""):
     p.add_argument("--inputs-in-l2", action="store_true",
                    help="the layer graph also with each input written just before its projection, as the kernel "
                         "before it writes it in the engine (the copies' own time taken off)")
+    p.add_argument("--plain-inputs", action="store_true",
+                   help="the layer graph also with plain inputs, each product rounding its own activation through "
+                        "FP8 in a launch of its own (the model gives them FP8-ready rows: model/kernels/backend.py)")
     p.add_argument("--pdl", action="store_true",
                    help="the Triton kernels with programmatic dependent launch (--enable-pdl); the layer graph "
                         "is then also timed without it")

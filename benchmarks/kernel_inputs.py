@@ -75,11 +75,16 @@ def linear_specs(s: Shapes) -> list[LinearSpec]:
 LAYER_PAIRS = (("attn.wq_a", "attn.wkv"), ("attn.wq_b", "indexer.wq_b"), ("shared.w1", "shared.w3"))
 
 
-def layer_calls(specs: list[LinearSpec], weight_of, kernels, m: int, gen: torch.Generator, device: torch.device):
+def layer_calls(specs: list[LinearSpec], weight_of, kernels, m: int, gen: torch.Generator, device: torch.device,
+                fp8_ready: bool = True):
     """One layer's FP8 projections as the model calls them, on fresh random inputs of ``m`` tokens:
     ``[(names, x, call)]``, each ``call()`` returning the outputs of ``names`` for input ``x``; the pairs of
     ``LAYER_PAIRS`` through ``kernels.quantized_linears``, every other projection (and a pair member
-    whose partner is not in ``specs``) alone. ``weight_of(name)``: the weight to use for it."""
+    whose partner is not in ``specs``) alone. ``weight_of(name)``: the weight to use for it.
+
+    ``fp8_ready``: as in the model, the quantized linears' inputs are FP8-ready rows (``model/kernels/
+    backend.py``; here their FP8 round trip, which is FP8-ready for any backend at any size) and the grouped
+    ``wo_a`` makes its output FP8-ready for ``wo_b``; off: plain rows, each product rounding its own."""
     by_name = {spec.name: spec for spec in specs}
     partner = {a: b for a, b in LAYER_PAIRS if a in by_name and b in by_name}
     calls = []
@@ -88,14 +93,18 @@ def layer_calls(specs: list[LinearSpec], weight_of, kernels, m: int, gen: torch.
             continue  # called with its pair
         shape = (m, spec.groups, spec.k) if spec.groups > 1 else (m, spec.k)
         x = torch.randn(shape, device=device, generator=gen).to(torch.bfloat16)
+        if fp8_ready and spec.groups == 1:
+            x = kernels.fp8_round_trip(x)
         w = weight_of(spec.name)
         if spec.name in partner:
             ws = [w, weight_of(partner[spec.name])]
-            calls.append(((spec.name, partner[spec.name]), x, lambda x=x, ws=ws: kernels.quantized_linears(x, ws)))
+            calls.append(((spec.name, partner[spec.name]), x,
+                          lambda x=x, ws=ws: kernels.quantized_linears(x, ws, prepared=fp8_ready)))
         elif spec.groups > 1:
-            calls.append(((spec.name,), x, lambda x=x, w=w: [kernels.grouped_dequantized_linear(x, w)]))
+            calls.append(((spec.name,), x,
+                          lambda x=x, w=w: [kernels.grouped_dequantized_linear(x, w, fp8_ready=fp8_ready)]))
         else:
-            calls.append(((spec.name,), x, lambda x=x, w=w: [kernels.quantized_linear(x, w)]))
+            calls.append(((spec.name,), x, lambda x=x, w=w: [kernels.quantized_linear(x, w, prepared=fp8_ready)]))
     return calls
 
 

@@ -90,7 +90,8 @@ def markdown(env: dict, ceil: Ceilings, bench, shapes_name: str) -> str:
 
 def layer_graph_lines(specs, layer: list[dict]) -> list[str]:
     """The table of a layer's FP8 linears in one graph (``layer``: ``Bench.run_layer_graph``'s entries, one
-    per M, with ``graph_without_pdl_s`` under ``--pdl`` and ``graph_inputs_in_l2_s`` under ``--inputs-in-l2``)."""
+    per M, with ``graph_without_pdl_s`` under ``--pdl``, ``graph_inputs_in_l2_s`` under ``--inputs-in-l2`` and
+    ``graph_plain_inputs_s`` under ``--plain-inputs``)."""
     lines = [f"FP8 linears of one layer taken together ({len(specs)} projections: "
              + ", ".join(s.name for s in specs) + "); graph = all of them captured in one CUDA graph "
              f"({layer[0]['instances']} layer instances with distinct weights) and replayed, per layer. "
@@ -98,13 +99,17 @@ def layer_graph_lines(specs, layer: list[dict]) -> list[str]:
              ""]
     pdl = any("graph_without_pdl_s" in e for e in layer)  # --pdl: the graph both ways
     warm = any("graph_inputs_in_l2_s" in e for e in layer)  # --inputs-in-l2
-    lines += ["| M | sum of kernels | CUDA graph " + ("| graph without PDL " if pdl else "")
+    plain = any("graph_plain_inputs_s" in e for e in layer)  # --plain-inputs
+    lines += ["| M | sum of kernels | CUDA graph " + ("| graph, plain inputs " if plain else "")
+              + ("| graph without PDL " if pdl else "")
               + ("| graph, inputs in L2 | its % of memory limit " if warm else "")
               + "| memory limit | limit | graph % of memory limit | graph % of limit | sum % of memory limit |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if pdl else "") + ("---:|---:|" if warm else "")]
+              "|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if plain else "") + ("---:|" if pdl else "")
+              + ("---:|---:|" if warm else "")]
     for e in layer:
         sum_pct = "-" if e["sum_pct_mem_limit"] is None else f"{e['sum_pct_mem_limit']:.0%}"
-        without = f"| {us(e.get('graph_without_pdl_s'))} " if pdl else ""
+        without = (f"| {us(e.get('graph_plain_inputs_s'))} " if plain else "") + \
+            (f"| {us(e.get('graph_without_pdl_s'))} " if pdl else "")
         in_l2 = e.get("graph_inputs_in_l2_s")
         in_l2 = f"| {us(in_l2)} | {e['mem_limit_s'] / in_l2:.0%} " if in_l2 else "| - | - " if warm else ""
         lines.append(f"| {e['m']} | {us(e['sum_s'])} | {us(e['graph_s'])} {without}{in_l2}| {us(e['mem_limit_s'])} "

@@ -374,16 +374,17 @@ class Bench:
         return row
 
     # ------------------------------------------------------------ one layer's FP8 linears, one graph
-    def run_layer_graph(self, m: int, kernels, inputs_in_l2: bool = False) -> dict:
+    def run_layer_graph(self, m: int, kernels, inputs_in_l2: bool = False, fp8_ready: bool = True) -> dict:
         """The layer's FP8 projections in one CUDA graph, per layer. Each input is made before the graph, and
         the layer instances' weights push it out of L2 before it is read. ``inputs_in_l2``: each input is
         written just before its projection (a copy from a source of its own), as in the engine, where the
-        kernel before a projection writes its input; the time of a graph of those copies alone is taken off."""
+        kernel before a projection writes its input; the time of a graph of those copies alone is taken off.
+        ``fp8_ready``: the inputs are FP8-ready rows, as the model gives them (``layer_calls``)."""
         dev, instances = self.device, self.args.graph_layers
         calls = []  # (names, input, call) per projection or pair of one input, per layer instance
         for layer in range(instances):
             calls += layer_calls(self.specs, lambda name: self.weights[name][layer % len(self.weights[name])],
-                                 kernels, m, self.gen, dev)
+                                 kernels, m, self.gen, dev, fp8_ready=fp8_ready)
         names = [name for group, _, _ in calls for name in group]
         sources = [x.clone() for _, x, _ in calls] if inputs_in_l2 else []
 
@@ -520,9 +521,12 @@ def main(argv=None) -> int:
                         entry["graph_without_pdl_s"] = bench.run_layer_graph(m, usual)["graph_s"]
                     if args.inputs_in_l2:
                         entry["graph_inputs_in_l2_s"] = bench.run_layer_graph(m, bench.tk, inputs_in_l2=True)["graph_s"]
+                    if args.plain_inputs:
+                        entry["graph_plain_inputs_s"] = bench.run_layer_graph(m, bench.tk, fp8_ready=False)["graph_s"]
                     bench.layer.append(entry)
                     log(f"layer FP8 linears M={m}: graph {us(entry['graph_s'])} us, sum {us(entry['sum_s'])} us, "
                         f"memory limit {us(entry['mem_limit_s'])} us -> {entry['pct_mem_limit']:.0%}"
+                        + (f"; plain inputs {us(entry['graph_plain_inputs_s'])} us" if args.plain_inputs else "")
                         + (f"; without PDL {us(entry['graph_without_pdl_s'])} us" if args.pdl else "")
                         + (f"; inputs in L2 {us(entry['graph_inputs_in_l2_s'])} us" if args.inputs_in_l2 else ""))
                     if args.tune_layer_gemv and matrix_vector_kernel(m) is not None:

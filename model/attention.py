@@ -24,7 +24,7 @@ from .compressor import Compressor
 from .config import LayerRole, V41Config
 from .indexer import Indexer
 from .kernels import KernelBackend, QuantizedWeight
-from .layers import Linear, project
+from .layers import Linear, project, quantized
 from .rope import RotaryTable
 from .sparse_attention import sparse_attention
 
@@ -88,16 +88,21 @@ class Attention:
         self.rope = self.rope.to(device)
         return self
 
-    def __call__(self, x: torch.Tensor, batch: ForwardBatch, cache: V41Cache, state: ForwardState) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, x_fp8: torch.Tensor, batch: ForwardBatch, cache: V41Cache,
+                 state: ForwardState) -> torch.Tensor:
+        """``x``: the normed rows; ``x_fp8``: the same as FP8-ready rows (``rms_norm_and_fp8_ready``), which
+        ``wq_a`` and ``wkv`` take when both are quantized."""
         cfg, w, pos = self.cfg, self.w, batch.positions
         rd = cfg.rope_head_dim
         eps = cfg.rms_norm_eps
-        q_low_rank, kv = project(x, w.wq_a, w.wkv)
-        qr = self.kernels.rms_norm(q_low_rank, w.q_norm, eps)
-        if self.role.compress_ratio and self.indexer is not None:  # the indexer's queries come from qr too
-            q, index_q = project(qr, w.wq_b, self.indexer.wq_b)
-        else:
-            q, index_q = w.wq_b(qr), None
+        fp8_input = quantized(w.wq_a, w.wkv)
+        q_low_rank, kv = project(x_fp8 if fp8_input else x, w.wq_a, w.wkv, prepared=fp8_input)
+        indexed = self.role.compress_ratio and self.indexer is not None  # the indexer's queries come from qr too
+        query_linears = (w.wq_b, self.indexer.wq_b) if indexed else (w.wq_b,)
+        fp8_query = quantized(*query_linears)  # qr goes to these alone
+        qr = self.kernels.rms_norm(q_low_rank, w.q_norm, eps, fp8_ready=fp8_query)
+        q, *index_q = project(qr, *query_linears, prepared=fp8_query)
+        index_q = index_q[0] if indexed else None
         q = q.unflatten(-1, (cfg.num_heads, cfg.head_dim))
         self.kernels.rotate_(q[..., -rd:], pos, self.rope)
         kv = self.kernels.rms_norm(kv, w.kv_norm, eps)
@@ -119,7 +124,7 @@ class Attention:
             o = torch.zeros_like(q)
         self.kernels.rotate_(o[..., -rd:], pos, self.rope, inverse=True)
         self._write_window(kv, batch, cache, state)
-        return w.wo_b(self._grouped_output(o))
+        return w.wo_b(self._grouped_output(o, fp8_ready=w.wo_b.quantized), prepared=w.wo_b.quantized)
 
     # ------------------------------------------------------------------ compressed entries
     def _select(self, x, index_q, batch: ForwardBatch, cache: V41Cache, state: ForwardState) -> None:
@@ -207,8 +212,9 @@ class Attention:
         keep = batch.rows_from(lambda chunk: chunk.end - self.cfg.sliding_window)
         return keep, cache.window_rows(batch.layout.slot[keep], batch.positions[keep] % self.cfg.sliding_window)
 
-    def _grouped_output(self, o: torch.Tensor) -> torch.Tensor:
-        """[T, H, D] -> [T, groups * o_lora_rank]: each group of heads through its own slice of wo_a."""
+    def _grouped_output(self, o: torch.Tensor, fp8_ready: bool) -> torch.Tensor:
+        """[T, H, D] -> [T, groups * o_lora_rank]: each group of heads through its own slice of wo_a (as
+        FP8-ready rows with ``fp8_ready``: they go to ``wo_b`` alone)."""
         cfg = self.cfg
         grouped = o.reshape(o.shape[0], cfg.o_groups, cfg.num_heads * cfg.head_dim // cfg.o_groups)
-        return self.kernels.grouped_dequantized_linear(grouped, self.w.wo_a).flatten(1)
+        return self.kernels.grouped_dequantized_linear(grouped, self.w.wo_a, fp8_ready).flatten(1)

@@ -28,19 +28,33 @@ class Linear:
         self.weight = self.weight.to(device)
         return self
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def quantized(self) -> bool:
+        """Whether the weight is FP8/FP4, so that the product rounds its activation through FP8 first."""
+        return isinstance(self.weight, QuantizedWeight)
+
+    def __call__(self, x: torch.Tensor, prepared: bool = False) -> torch.Tensor:
+        """``prepared``: ``x`` came from a kernel asked for FP8-ready rows (``fp8_ready=True``,
+        ``model/kernels/backend.py``); only a quantized linear's input may be."""
         if isinstance(self.weight, QuantizedWeight):
-            return self.kernels.quantized_linear(x, self.weight)
+            return self.kernels.quantized_linear(x, self.weight, prepared)
+        if prepared:
+            raise ValueError("FP8-ready rows go to quantized linears only")
         return dense_linear(x, self.weight, self.batch_invariant)
 
 
-def project(x: torch.Tensor, *linears: Linear) -> list[torch.Tensor]:
-    """``[lin(x) for lin in linears]``: projections of one input, which the backend may run together
-    (one launch for a token's two FP8 projections) when every weight is quantized."""
+def quantized(*linears: Linear) -> bool:
+    """Whether every one of ``linears`` is quantized: whether their input may be FP8-ready rows."""
+    return all(lin.quantized for lin in linears)
+
+
+def project(x: torch.Tensor, *linears: Linear, prepared: bool = False) -> list[torch.Tensor]:
+    """``[lin(x, prepared) for lin in linears]``: projections of one input, which the backend may run
+    together (one launch for a token's two FP8 projections) when every weight is quantized."""
     weights = [lin.weight for lin in linears]
-    if all(isinstance(w, QuantizedWeight) for w in weights):
-        return linears[0].kernels.quantized_linears(x, weights)
-    return [lin(x) for lin in linears]
+    if quantized(*linears):
+        return linears[0].kernels.quantized_linears(x, weights, prepared)
+    return [lin(x, prepared) for lin in linears]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

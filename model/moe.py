@@ -23,7 +23,7 @@ import torch
 
 from . import device_ranges
 from .kernels import ExpertWeights, KernelBackend
-from .layers import Linear, project
+from .layers import Linear, project, quantized
 from .routing import RoutingRule
 
 
@@ -41,10 +41,14 @@ class SharedExpert:
             lin.to(device)
         return self
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, x_fp8: torch.Tensor | None = None) -> torch.Tensor:
+        """``x``: the normed rows; ``x_fp8``: the same as FP8-ready rows (``model/kernels/backend.py``), which
+        ``w1`` and ``w3`` take when both are quantized, or None."""
         kernels = self.w2.kernels  # the layer's backend (every Linear holds it)
-        gate, up = project(x, self.w1, self.w3)
-        return self.w2(kernels.swiglu(gate, up, self.swiglu_limit))
+        fp8_input = x_fp8 is not None and quantized(self.w1, self.w3)
+        gate, up = project(x_fp8 if fp8_input else x, self.w1, self.w3, prepared=fp8_input)
+        hidden = kernels.swiglu(gate, up, self.swiglu_limit, fp8_ready=self.w2.quantized)  # for w2 alone
+        return self.w2(hidden, prepared=self.w2.quantized)
 
 
 @dataclass
@@ -108,15 +112,16 @@ class MoE:
         outputs = self.local_expert_outputs(rows, pair_token, ids.reshape(-1), gates.reshape(-1))
         return outputs.view(r, k, rows.shape[-1])
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, x_fp8: torch.Tensor | None = None) -> torch.Tensor:
+        """``x``: the normed rows; ``x_fp8``: the same as FP8-ready rows for the shared expert, or None."""
         weights, indices = self.router(x)
         slots = indices if self.expert_map is None else self.expert_map.route(indices)
         if self.dispatcher is None:
             routed = self.expert_rows(x, slots, weights)
-            shared = self.shared(x)
+            shared = self.shared(x, x_fp8)
         else:
             exchange = self.dispatcher.dispatch(x, weights, slots)
-            shared = self.shared(x)  # overlaps the exchange in flight
+            shared = self.shared(x, x_fp8)  # overlaps the exchange in flight
             routed = self.dispatcher.combine(exchange, self.expert_rows)
         # in logical id order, whatever the placement, then the shared expert's output
         return self.kernels.moe_sum(routed, indices, shared)

@@ -76,13 +76,15 @@ class Block:
         eps = self.cfg.rms_norm_eps
         residual = stream
         attn_pre, attn_post, attn_comb = self.attn_hc.coefficients(stream)
-        x = self.kernels.rms_norm(self.kernels.hc_collapse(stream, pre_mix), self.attn_norm, eps)
-        stream = self.kernels.hc_expand(self.attention(x, batch, cache, state), residual, attn_post, attn_comb)
+        # the normed rows, and the same as the FP8 linears take them (model/kernels/backend.py: FP8-ready rows)
+        x, x_fp8 = self.kernels.rms_norm_and_fp8_ready(self.kernels.hc_collapse(stream, pre_mix), self.attn_norm, eps)
+        stream = self.kernels.hc_expand(self.attention(x, x_fp8, batch, cache, state), residual, attn_post, attn_comb)
 
         residual = stream
         ffn_pre, ffn_post, ffn_comb = self.ffn_hc.coefficients(stream)
-        x = self.kernels.rms_norm(self.kernels.hc_collapse(stream, attn_pre), self.ffn_norm, eps)  # the delayed pre-mix
-        stream = self.kernels.hc_expand(self.moe(x), residual, ffn_post, ffn_comb)
+        x, x_fp8 = self.kernels.rms_norm_and_fp8_ready(self.kernels.hc_collapse(stream, attn_pre),  # the delayed
+                                                       self.ffn_norm, eps)  # pre-mix
+        stream = self.kernels.hc_expand(self.moe(x, x_fp8), residual, ffn_post, ffn_comb)
         return stream, ffn_pre
 
 

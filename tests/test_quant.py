@@ -108,6 +108,21 @@ def test_qdq_results_are_idempotent(comp) -> None:
             assert_bitwise(fp4_qdq(y, block, e4m3), y)
 
 
+def test_fp8_qdq_is_idempotent_where_the_scale_halves() -> None:
+    """FP8-ready rows (``model/kernels/backend.py``) rest on this: a round trip's result rounds to itself,
+    also where its group maximum rounded down to 224 times the scale (then the second round trip takes
+    half the scale and twice the values: the same products) and near the 1e-4 floor of the maximum."""
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(64, 32 * 48, generator=gen) * torch.logspace(-12, 4, 32 * 48)  # every scale, floors too
+    rows[0, :32] = 0.0
+    rows[1, :3] = torch.tensor([14.0625, -3.0, 1.0])  # max -> 224 * 2**-4 = 14.0, requantized at 2**-5
+    rows[2, :2] = torch.tensor([1.0001e-4, 3e-5])  # just above the floor
+    x = rows.bfloat16()
+    y = fp8_qdq(x, 32)
+    assert y[1, 0].item() == 14.0 and fp8_quantize(y[1:2, :32])[1].item() == 2.0 ** -5
+    assert_bitwise(fp8_qdq(y, 32), y)
+
+
 # ----------------------------------------------------------------------------- the scale
 def test_pow2_scale_at_and_just_above_a_power_of_two() -> None:
     exact = torch.tensor([1.0, 2.0 ** -10, 0.5, 2.0 ** 20, 2.0 ** -126])

@@ -387,10 +387,11 @@ def main() -> int:
     check("greedy join", triton_greedy._join_kernel,
           {"part_ptr": "*fp32", "lse_ptr": "*fp32", "token_ptr": "*i64", "chunks": "i32"},
           {"BLOCK": 32, "INTERPRETED": False}, wgmma=False, options={"num_warps": 1})
-    for out_f32 in (False, True):
-        check(f"sum_splits out_f32={out_f32}", triton_decode_mm._sum_splits_kernel,
+    for out_f32, round_trip in ((False, False), (True, False), (False, True)):
+        check(f"sum_splits out_f32={out_f32} round_trip={round_trip}", triton_decode_mm._sum_splits_kernel,
               {"part_ptr": "*fp32", "out_ptr": "*fp32" if out_f32 else "*bf16", "numel": "i32"},
-              {"SPLITS": 4, "OUT_F32": out_f32, "BLOCK": 1024, "EXACT_DOT": False}, wgmma=False)
+              {"SPLITS": 4, "OUT_F32": out_f32, "ROUND_TRIP": round_trip, "BLOCK": 1024, "EXACT_DOT": False},
+              wgmma=False, spill_free=True)
 
     attention = triton_sparse_attention
     sizes = "H D L split_len stride_qt stride_qh stride_pool stride_it stride_vt stride_ot stride_oh"
@@ -457,13 +458,20 @@ def main() -> int:
               {"x_ptr": "*i16", "out_ptr": "*bf16", **scalars("R K stride_x stride_o")},
               {"GROUP": group, "E4M3_SCALE": e4m3_scale, "BLOCK_ROWS": triton_fp4_round_trip.BLOCK_ELEMENTS // block_k,
                "BLOCK_K": block_k}, wgmma=False)
-    for out_bf16, block_d, pdl in ((True, 8192, False), (True, 512, False), (False, 128, False), (True, 8192, True)):
-        check(f"rms_norm bf16={out_bf16} D<={block_d}", triton_rms_norm._rms_norm_kernel,
-              {"x_ptr": "*bf16" if out_bf16 else "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16" if out_bf16 else "*fp32",
-               **scalars("D stride_x stride_o"), "inv_d": "fp32", "eps": "fp32"},
-              {"BLOCK_D": block_d, "OUT_BF16": out_bf16, "INTERPRETED": False},
-              options={"num_warps": 16, "enable_fp_fusion": False}, wgmma=False, pdl=pdl,
-              prefetch=True)  # (the norm's weight)
+    norm_outputs = {triton_rms_norm.PLAIN: "plain", triton_rms_norm.ROUND_TRIP: "round trip", triton_rms_norm.BOTH: "both"}
+    for out_bf16, block_d, pdl, outputs in ((True, 8192, False, triton_rms_norm.PLAIN),
+                                            (True, 512, False, triton_rms_norm.PLAIN),
+                                            (False, 128, False, triton_rms_norm.PLAIN),
+                                            (True, 8192, True, triton_rms_norm.PLAIN),
+                                            (True, 8192, False, triton_rms_norm.BOTH),  # attn_norm, ffn_norm
+                                            (True, 2048, False, triton_rms_norm.ROUND_TRIP)):  # q_norm
+        dtype = "*bf16" if out_bf16 else "*fp32"
+        check(f"rms_norm bf16={out_bf16} D<={block_d} {norm_outputs[outputs]}", triton_rms_norm._rms_norm_kernel,
+              {"x_ptr": dtype, "w_ptr": "*bf16", "out_ptr": dtype, "out2_ptr": dtype,
+               **scalars("D stride_x stride_o stride_o2"), "inv_d": "fp32", "eps": "fp32"},
+              {"BLOCK_D": block_d, "OUT_BF16": out_bf16, "OUTPUTS": outputs, "INTERPRETED": False},
+              options={"num_warps": min(16, max(1, block_d // 512)), "enable_fp_fusion": False},  # the launcher's
+              wgmma=False, pdl=pdl, spill_free=True, prefetch=True)  # (the norm's weight)
     for inverse in (False, True):
         check(f"rope inverse={inverse}", triton_rope._rope_kernel,
               {"x_ptr": "*bf16", "pos_ptr": "*i64", "table_ptr": "*fp32", **scalars("H stride_xt stride_xh stride_p")},
@@ -495,11 +503,12 @@ def main() -> int:
         check(f"cache write {label}", triton_cache_codec._write_rows_kernel,
               {"values_ptr": "*i16", "rows_ptr": "*i64", "data_ptr": "*u8", "M": "i32", "stride_v": "i32",
                "pages": pages}, constants, wgmma=False)
-    for clamp, pdl in ((True, False), (False, False), (True, True)):
-        check(f"swiglu clamp={clamp}", triton_moe_sum._swiglu_kernel,
+    for clamp, pdl, round_trip in ((True, False, False), (False, False, False), (True, True, False), (True, False, True)):
+        check(f"swiglu clamp={clamp} round_trip={round_trip}", triton_moe_sum._swiglu_kernel,
               {"gate_ptr": "*bf16", "up_ptr": "*bf16", "out_ptr": "*bf16", **scalars("I stride_g stride_u stride_o"),
-               "limit": "fp32"}, {"CLAMP": clamp, "BLOCK": triton_moe_sum.BLOCK, "INTERPRETED": False},
-              options={"enable_fp_fusion": False}, wgmma=False, pdl=pdl)
+               "limit": "fp32"},
+              {"CLAMP": clamp, "ROUND_TRIP": round_trip, "BLOCK": triton_moe_sum.BLOCK, "INTERPRETED": False},
+              options={"enable_fp_fusion": False}, wgmma=False, pdl=pdl, spill_free=True)
     check("engram_gate hc=4", triton_engram._engram_gate_kernel,
           {"h_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*bf16",
            **scalars("D stride_k stride_v"), "eps": "fp32", "clamp": "fp32", "inv_sqrt_d": "fp32"},

@@ -181,8 +181,8 @@ def test_triton_rows_do_not_depend_on_the_batch_in_batch_invariant_mode():
 
 def test_tiny_model_with_triton_kernels_matches_reference(tiny_checkpoint, monkeypatch, on_golden_platform):
     """The whole tiny model with ``kernels="triton"`` against the reference arithmetic: a 24-token
-    prefill, then a one-token decode step (the one-token forms: two projections of a token in one
-    launch, the attention's ``wq_b`` with its indexer's).
+    prefill (the decode form, fed FP8-ready rows by their producers), then a one-token decode step (the
+    one-token forms: two projections of a token in one launch, the attention's ``wq_b`` with its indexer's).
 
     The two sum in other orders, and the tiny model turns that into occasional jumps: a near-tied
     indexer selection that flips moves a row by a few tenths (docs/numerics.md), on some CPUs and not
@@ -196,12 +196,16 @@ def test_tiny_model_with_triton_kernels_matches_reference(tiny_checkpoint, monke
     from model.loader import load_model
     from model.transformer import ModelOptions
 
-    from model.kernels import triton_gemv
+    from model.kernels import triton_backend, triton_gemv
 
     launches = []  # the row counts of each one-token launch's weights
     real = triton_gemv.fp8_gemv
     monkeypatch.setattr(triton_gemv, "fp8_gemv",
                         lambda x, weights, **kw: launches.append([v.shape[0] for v, _ in weights]) or real(x, weights, **kw))
+    fp8_ready = []  # per FP8 product of the prefill (the decode form): whether its rows came rounded
+    real_decode = triton_backend.fp8_decode_mm
+    monkeypatch.setattr(triton_backend, "fp8_decode_mm",
+                        lambda a, ws, rounded=False: fp8_ready.append(rounded) or real_decode(a, ws, rounded=rounded))
     logits = {}
     for kernels in ("reference", "triton"):
         model = load_model(tiny_checkpoint, ModelOptions(batch_invariant=False, kernels=kernels), device())
@@ -213,6 +217,9 @@ def test_tiny_model_with_triton_kernels_matches_reference(tiny_checkpoint, monke
         logits[kernels] = torch.cat([prefill, model.logits(model.forward(step, cache)).cpu()])
     cfg = model.cfg
     assert [cfg.num_heads * cfg.head_dim, cfg.index_num_heads * cfg.index_head_dim] in launches  # wq_b with the indexer's
+    # the layers' five FP8 products each took FP8-ready rows, which their producers rounded (model/kernels/
+    # backend.py); Engram's wkv takes the table's dequantized rows as they are
+    assert fp8_ready.count(True) == 5 * cfg.num_layers and fp8_ready.count(False) == len(cfg.engram_layer_ids)
     ref, got = logits["reference"], logits["triton"]
     row_errors = (got - ref).abs().amax(-1) / ref.abs().max()
     same_top = int((ref.argmax(-1) == got.argmax(-1)).sum())
@@ -292,7 +299,8 @@ def test_decode_form_takes_two_projections_of_one_input_in_one_launch(max_splits
     monkeypatch.setattr(tile_configs, "_FP8_DECODE_TABLE", ((256, fp8_cfg),))
     launches = []
     real = triton_backend.fp8_decode_mm
-    monkeypatch.setattr(triton_backend, "fp8_decode_mm", lambda a, ws: launches.append(len(ws)) or real(a, ws))
+    monkeypatch.setattr(triton_backend, "fp8_decode_mm",
+                        lambda a, ws, **kw: launches.append(len(ws)) or real(a, ws, **kw))
     gen = torch.Generator().manual_seed(m)
     kernels, reference = triton_backend.TritonKernels(), ReferenceKernels(batch_invariant=False)
     weights = [random_weight(WeightFormat.FP8, n, 256, gen) for n in (96, 160)]

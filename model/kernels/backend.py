@@ -12,6 +12,17 @@ MoE's routing ~11, SwiGLU 7 and expert sum ~12, Engram's n-gram hashing ~45 and 
 spend its time launching.
 Other plain bf16 products (the compressor's and indexer's other weights) are not: both
 backends run them through torch (``model/gemm.py``).
+
+FP8-ready rows. An FP8 or FP4 linear first rounds its activation through FP8 per 32 (the reference's
+``act_quant``). A backend that does that in a launch of its own may let the kernel that makes the
+activation do it instead, on the values it already holds: ``rms_norm``, ``swiglu`` and
+``grouped_dequantized_linear`` called with ``fp8_ready=True`` (and ``rms_norm_and_fp8_ready``'s second
+output) return their rows as this backend's quantized linears take them with ``prepared=True``. Such
+rows go only to those linears; the model asks for them only where the consumers' weights are quantized.
+What they hold is the backend's choice by the number of rows: the Triton backend's FP8 round trip
+where its products of that many rows round in a launch of their own, the plain output where they round
+inside the product's kernel; the reference's always the plain output. Either way the products are the
+same bits, since the round trip is idempotent (``fp8_qdq(fp8_qdq(x)) == fp8_qdq(x)``, ``tests/test_quant.py``).
 """
 
 from __future__ import annotations
@@ -33,23 +44,26 @@ class KernelBackend(ABC):
     name: str
 
     @abstractmethod
-    def quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    def quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight, prepared: bool = False) -> torch.Tensor:
         """``x [..., K]`` bf16 times an FP8/FP4 weight ``[N, K]`` -> bf16 ``[..., N]``.
 
         The reference's ``fp8_gemm``/``fp4_gemm``: ``x`` is FP8-quantized in groups of 32 (UE8M0
-        scales), products accumulate in fp32."""
+        scales), products accumulate in fp32. ``prepared``: ``x`` is FP8-ready rows (module docstring)."""
 
-    def quantized_linears(self, x: torch.Tensor, weights: Sequence[QuantizedWeight]) -> list[torch.Tensor]:
-        """``quantized_linear(x, w)`` for each weight: projections of one input (a backend may run
-        them in one launch)."""
-        return [self.quantized_linear(x, w) for w in weights]
+    def quantized_linears(self, x: torch.Tensor, weights: Sequence[QuantizedWeight],
+                          prepared: bool = False) -> list[torch.Tensor]:
+        """``quantized_linear(x, w, prepared)`` for each weight: projections of one input (a backend may
+        run them in one launch)."""
+        return [self.quantized_linear(x, w, prepared) for w in weights]
 
     @abstractmethod
-    def grouped_dequantized_linear(self, x: torch.Tensor, weight: QuantizedWeight | torch.Tensor) -> torch.Tensor:
+    def grouped_dequantized_linear(self, x: torch.Tensor, weight: QuantizedWeight | torch.Tensor,
+                                   fp8_ready: bool = False) -> torch.Tensor:
         """``x [T, G, K]`` bf16 times group ``g``'s slice of a weight ``[G * R, K]`` -> bf16 ``[T, G, R]``.
 
         The grouped output projection (``wo_a``): the reference multiplies the bf16 activation
-        (not quantized) by the exactly dequantized bf16 weight (or a bf16 checkpoint's weight)."""
+        (not quantized) by the exactly dequantized bf16 weight (or a bf16 checkpoint's weight).
+        ``fp8_ready``: the output as FP8-ready rows (module docstring), for ``wo_b`` alone."""
 
     @abstractmethod
     def fp32_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -101,9 +115,16 @@ class KernelBackend(ABC):
         arithmetic (sigmoids, a softmax, then ``iters`` column/row normalisations, each token alone)."""
 
     @abstractmethod
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_ready: bool = False) -> torch.Tensor:
         """RMSNorm of each row of ``x [..., D]`` (bf16 or fp32) in fp32, times ``weight [D]``, back in
-        ``x``'s dtype (``model.layers.rms_norm``)."""
+        ``x``'s dtype (``model.layers.rms_norm``). ``fp8_ready``: as FP8-ready rows (module docstring;
+        bf16 ``x``), for quantized linears alone."""
+
+    def rms_norm_and_fp8_ready(self, x: torch.Tensor, weight: torch.Tensor,
+                               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(x, weight, eps), rms_norm(x, weight, eps, fp8_ready=True))``: normed rows that go to
+        quantized linears and elsewhere too (a backend may make both in one launch)."""
+        return self.rms_norm(x, weight, eps), self.rms_norm(x, weight, eps, fp8_ready=True)
 
     @abstractmethod
     def fp8_round_trip(self, x: torch.Tensor) -> torch.Tensor:
@@ -156,9 +177,10 @@ class KernelBackend(ABC):
         others 0 (``model.indexer.top_entries``: exact, every backend selects the same entries)."""
 
     @abstractmethod
-    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float, fp8_ready: bool = False) -> torch.Tensor:
         """The shared expert's clamped SwiGLU: bf16 ``gate``, ``up`` ``[N, I]`` -> bf16 ``silu(gate) * up``
-        in fp32, ``up`` clamped to ``[-limit, limit]`` and ``gate`` from above (when ``limit > 0``)."""
+        in fp32, ``up`` clamped to ``[-limit, limit]`` and ``gate`` from above (when ``limit > 0``).
+        ``fp8_ready``: as FP8-ready rows (module docstring), for the down projection alone."""
 
     @abstractmethod
     def ngram_hash_ids(self, compressed: torch.Tensor, positions: torch.Tensor, start: torch.Tensor,

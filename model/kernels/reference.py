@@ -32,10 +32,12 @@ class ReferenceKernels(KernelBackend):
     def __init__(self, batch_invariant: bool):
         self.batch_invariant = batch_invariant
 
-    def quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    # FP8-ready rows (``backend.py``) are the plain rows here: these products round their activation themselves
+    def quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight, prepared: bool = False) -> torch.Tensor:
         return block_scaled_linear(x, weight.unscaled_values(), weight.row_scales(), self.batch_invariant)
 
-    def grouped_dequantized_linear(self, x: torch.Tensor, weight: QuantizedWeight | torch.Tensor) -> torch.Tensor:
+    def grouped_dequantized_linear(self, x: torch.Tensor, weight: QuantizedWeight | torch.Tensor,
+                                   fp8_ready: bool = False) -> torch.Tensor:
         t, groups, _ = x.shape
         w = weight.dequantized() if isinstance(weight, QuantizedWeight) else weight
         w = w.view(groups, -1, x.shape[-1])
@@ -86,8 +88,13 @@ class ReferenceKernels(KernelBackend):
                         norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return split_sinkhorn(mixes(stream, fn, norm_eps, self.batch_invariant), scale, base, hc, iters, hc_eps)
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_ready: bool = False) -> torch.Tensor:
         return rms_norm(x, weight, eps)
+
+    def rms_norm_and_fp8_ready(self, x: torch.Tensor, weight: torch.Tensor,
+                               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        normed = rms_norm(x, weight, eps)
+        return normed, normed
 
     def fp8_round_trip(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_qdq(x, 32)
@@ -117,7 +124,7 @@ class ReferenceKernels(KernelBackend):
     def top_entries(self, scores: torch.Tensor, k_per_row: torch.Tensor, k_max: int) -> torch.Tensor:
         return top_entries(scores, k_per_row, k_max)
 
-    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float, fp8_ready: bool = False) -> torch.Tensor:
         gate, up = gate.float(), up.float()
         if limit > 0:
             up = torch.clamp(up, min=-limit, max=limit)

@@ -190,6 +190,12 @@ MMA_GEMV_MAX_TOKENS = 8
 # set aside and the weight comes into registers (the benchmarks' comparison)
 MMA_GEMV_RING = True
 
+# FP8-ready rows (``backend.py``): the kernels that make the input of a quantized linear of the decode or
+# prefill form (RMSNorm, the SwiGLU, the grouped ``wo_a``'s split sums) round it through FP8 themselves,
+# and the product skips its own round trip's launch; off: every product rounds its own input (the
+# benchmarks' comparison)
+ROUND_TRIP_IN_PRODUCERS = True
+
 # (largest M, config): ``triton_mma_gemv``. ``block_w`` is the program's weight rows (32 per warp,
 # ``num_warps`` warps), ``block_k`` its loop step, one, two or four 32-column blocks (its splits are
 # whole steps). Up to 4 tokens: with one block per step a warp keeps 1 KB of loads in flight, and an H200

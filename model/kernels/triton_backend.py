@@ -20,7 +20,7 @@ from .reference import ReferenceKernels
 from .triton_bf16_mm import BLOCK_K as BF16_MM_BLOCK_K
 from .triton_bf16_mm import bf16_mm
 from .triton_decode_mm import decode_mm, fp8_decode_mm
-from . import tile_configs, triton_gemv, triton_mma_experts, triton_mma_gemv
+from . import tile_configs, triton_gemv, triton_mma_experts, triton_mma_gemv, triton_rms_norm
 from .triton_moe import BLOCK_K as MOE_BLOCK_K
 from .triton_moe import fused_experts
 from .triton_moe_sum import moe_sum, swiglu
@@ -93,50 +93,68 @@ class TritonKernels(KernelBackend):
             return triton_mma_gemv.fp8_mma_gemv
         return triton_gemv.fp8_gemv if kernel is triton_gemv else None
 
-    def quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    def _rounds_apart(self, m: int) -> bool:
+        """Whether the quantized linears of ``m`` rows round their activation in a launch of their own (the
+        decode and prefill forms; the matrix-vector forms round it inside the product): then FP8-ready rows
+        (``backend.py``) are the round trip, made by the kernel that makes the rows, and those linears skip
+        that launch. (A product of few rows that takes the decode form all the same, a weight the
+        matrix-vector forms do not fit, gets plain rows and rounds them itself; so does every product with
+        ``tile_configs.ROUND_TRIP_IN_PRODUCERS`` off.)"""
+        return tile_configs.ROUND_TRIP_IN_PRODUCERS and (self.batch_invariant or matrix_vector_kernel(m) is None)
+
+    def quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight, prepared: bool = False) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
+        rounded = prepared and self._rounds_apart(rows.shape[0])
         gemv = self._matrix_vector(rows.shape[0], weight)
         if gemv is not None:
             out = gemv(rows, [(weight.values, weight.scales)], quantize=True, pdl=self.pdl)
         elif weight.fmt is WeightFormat.FP8 and self._decode_form(rows.shape[0], fp8=True):
-            out = fp8_decode_mm(rows, [(weight.values, weight.scales)])
+            out = fp8_decode_mm(rows, [(weight.values, weight.scales)], rounded=rounded)
         elif weight.fmt is WeightFormat.FP8:  # the faster kernel for FP8 (triton_bf16_mm's docstring)
-            out = bf16_mm(act_quant_bf16(rows), weight.values, weight.scales, weight.fmt)
-        else:
+            out = bf16_mm(rows if rounded else act_quant_bf16(rows), weight.values, weight.scales, weight.fmt)
+        else:  # (rounded rows quantize to the same products: the round trip is idempotent)
             out = scaled_mm(*act_quant(rows), weight.values, weight.scales, weight.fmt)
         return out.view(*shape[:-1], -1)
 
-    def quantized_linears(self, x: torch.Tensor, weights: Sequence[QuantizedWeight]) -> list[torch.Tensor]:
+    def quantized_linears(self, x: torch.Tensor, weights: Sequence[QuantizedWeight],
+                          prepared: bool = False) -> list[torch.Tensor]:
         """Two FP8 projections of a few tokens in one launch (a matrix-vector kernel, or the decode form
         from ``tile_configs.MMA_GEMV_MAX_TOKENS`` + 1 tokens on); otherwise one by one."""
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         if len(weights) != 2 or weights[0].in_features != weights[1].in_features or \
                 any(w.fmt is not WeightFormat.FP8 for w in weights):
-            return super().quantized_linears(x, weights)
+            return super().quantized_linears(x, weights, prepared)
         pair = [(w.values, w.scales) for w in weights]
         gemv = self._matrix_vector(rows.shape[0], *weights)
         if gemv is not None:
             out = gemv(rows, pair, quantize=True, pdl=self.pdl)
         elif self._decode_form(rows.shape[0], fp8=True):
-            out = fp8_decode_mm(rows, pair)
+            out = fp8_decode_mm(rows, pair, rounded=prepared and self._rounds_apart(rows.shape[0]))
         else:
-            return super().quantized_linears(x, weights)
+            return super().quantized_linears(x, weights, prepared)
         first = weights[0].out_features
         return [out[:, :first].view(*shape[:-1], -1), out[:, first:].view(*shape[:-1], -1)]
 
-    def grouped_dequantized_linear(self, x: torch.Tensor, weight: QuantizedWeight | torch.Tensor) -> torch.Tensor:
-        if not isinstance(weight, QuantizedWeight) or weight.fmt is not WeightFormat.FP8:
-            return self._plain.grouped_dequantized_linear(x, weight)
+    def grouped_dequantized_linear(self, x: torch.Tensor, weight: QuantizedWeight | torch.Tensor,
+                                   fp8_ready: bool = False) -> torch.Tensor:
         t, groups, k = x.shape
+        round_trip = fp8_ready and self._rounds_apart(t)
+        if not isinstance(weight, QuantizedWeight) or weight.fmt is not WeightFormat.FP8:
+            out = self._plain.grouped_dequantized_linear(x, weight)
+            return act_quant_bf16(out.reshape(t, -1)).view(out.shape) if round_trip else out
         gemv = self._matrix_vector(t, weight)
-        if gemv is not None:
+        if gemv is not None:  # (no round trip at these sizes: wo_b rounds inside its product)
             out = gemv(x.reshape(t, groups * k), [(weight.values, weight.scales)], quantize=False, groups=groups,
                        pdl=self.pdl)
             return out.view(t, groups, -1)
-        mm = decode_mm if self._decode_form(t) else bf16_mm
-        out = mm(x.reshape(t, groups * k), weight.values, weight.scales, weight.fmt, groups=groups)
+        if self._decode_form(t):  # the round trip where its splits are added
+            out = decode_mm(x.reshape(t, groups * k), weight.values, weight.scales, weight.fmt, groups=groups,
+                            round_trip=round_trip)
+        else:
+            out = bf16_mm(x.reshape(t, groups * k), weight.values, weight.scales, weight.fmt, groups=groups)
+            out = act_quant_bf16(out) if round_trip else out
         return out.view(t, groups, -1)
 
     def fp32_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -177,8 +195,17 @@ class TritonKernels(KernelBackend):
                         norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return hc_coefficients(stream, fn, scale, base, hc, iters, hc_eps, norm_eps)
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return rms_norm(x, weight, eps, pdl=self.pdl)
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_ready: bool = False) -> torch.Tensor:
+        round_trip = fp8_ready and self._rounds_apart(x.numel() // max(1, x.shape[-1]))
+        return rms_norm(x, weight, eps, pdl=self.pdl,
+                        outputs=triton_rms_norm.ROUND_TRIP if round_trip else triton_rms_norm.PLAIN)
+
+    def rms_norm_and_fp8_ready(self, x: torch.Tensor, weight: torch.Tensor,
+                               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rounds_apart(x.numel() // max(1, x.shape[-1])):
+            return rms_norm(x, weight, eps, pdl=self.pdl, outputs=triton_rms_norm.BOTH)
+        normed = rms_norm(x, weight, eps, pdl=self.pdl)
+        return normed, normed
 
     def fp8_round_trip(self, x: torch.Tensor) -> torch.Tensor:
         return act_quant_bf16(x.contiguous())
@@ -209,8 +236,8 @@ class TritonKernels(KernelBackend):
             return self._plain.top_entries(scores, k_per_row, k_max)
         return top_entries(scores, k_per_row, k_max)
 
-    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-        return swiglu(gate, up, limit, pdl=self.pdl)
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float, fp8_ready: bool = False) -> torch.Tensor:
+        return swiglu(gate, up, limit, pdl=self.pdl, round_trip=fp8_ready and self._rounds_apart(gate.shape[0]))
 
     def engram_gate(self, stream: torch.Tensor, key: torch.Tensor, value: torch.Tensor, weight: torch.Tensor,
                     eps: float, clamp_value: float) -> torch.Tensor:

@@ -104,6 +104,14 @@ def quantize_groups_of_32(x, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
+def fp8_round_trip_groups(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """fp32 ``[ROWS, COLS]`` holding bf16 values -> their FP8 round trip per 32 (``quant.fp8_qdq``: each
+    e4m3 value times its group's scale), fp32 and exact in bf16."""
+    q, scale = quantize_blocks(tl.reshape(x, (ROWS, COLS // 32, 32)))
+    return tl.reshape(q * scale[:, :, None], (ROWS, COLS))
+
+
+@triton.jit
 def bf16_bits_to_f32(bits):
     """The int16 bits of bf16 values -> fp32, exact for every value (the interpreter's float cast
     mangles bf16 subnormals)."""

@@ -55,7 +55,7 @@ import triton.language as tl
 
 from ..config import WeightFormat
 from .tile_configs import DecodeConfig, decode_mm_config, fp8_decode_config
-from .triton_common import INTERPRETED, sm_count, to_bf16
+from .triton_common import INTERPRETED, bf16_bits_to_f32, fp8_round_trip_groups, sm_count, to_bf16
 from .triton_scaled_mm import act_quant_bf16
 from .triton_weight_tiles import FORMAT_CODES, row_exponents, scale_words, scaled_rows
 
@@ -105,8 +105,8 @@ def _decode_mm_kernel(a_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, M, N, N2, K,
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLITS: tl.constexpr, OUT_F32: tl.constexpr, BLOCK: tl.constexpr,
-                       EXACT_DOT: tl.constexpr):
+def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLITS: tl.constexpr, OUT_F32: tl.constexpr, ROUND_TRIP: tl.constexpr,
+                       BLOCK: tl.constexpr, EXACT_DOT: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     total = tl.load(part_ptr + offs, mask=mask, other=0.0)
@@ -115,7 +115,11 @@ def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLITS: tl.constexpr, OUT_F32: 
     if OUT_F32:
         tl.store(out_ptr + offs, total, mask=mask)
     else:
-        tl.store(out_ptr + offs, to_bf16(total, EXACT_DOT), mask=mask)
+        out = to_bf16(total, EXACT_DOT)
+        if ROUND_TRIP:  # rows of a multiple of 32 columns: a block is whole groups (past numel: zeros, not stored)
+            exact = bf16_bits_to_f32(out.to(tl.int16, bitcast=True))  # (the interpreter's cast mangles subnormals)
+            out = tl.reshape(fp8_round_trip_groups(tl.reshape(exact, (1, BLOCK)), 1, BLOCK), (BLOCK,)).to(tl.bfloat16)
+        tl.store(out_ptr + offs, out, mask=mask)
 
 
 SHARED_MEMORY_BYTES = 200 * 1024  # of the 227 KiB an H100/H200 block may use: room for the compiler's own
@@ -141,11 +145,11 @@ def split_count(cfg: DecodeConfig, n: int, k: int, groups: int, sms: int) -> tup
     return triton.cdiv(steps, steps_per_split), steps_per_split * cfg.block_k
 
 
-def _sum_splits(partials: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _sum_splits(partials: torch.Tensor, out: torch.Tensor, round_trip: bool) -> torch.Tensor:
     numel, block = out.numel(), 1024
     _sum_splits_kernel[(triton.cdiv(numel, block),)](partials, out, numel, SPLITS=partials.shape[0],
-                                                     OUT_F32=out.dtype == torch.float32, BLOCK=block,
-                                                     EXACT_DOT=INTERPRETED, num_warps=4)
+                                                     OUT_F32=out.dtype == torch.float32, ROUND_TRIP=round_trip,
+                                                     BLOCK=block, EXACT_DOT=INTERPRETED, num_warps=4)
     return out
 
 
@@ -154,31 +158,38 @@ def _check_rows(m: int) -> None:
         raise ValueError(f"the decode form takes at most {MAX_TOKENS} rows, got {m}")
 
 
-def fp8_decode_mm(a: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def fp8_decode_mm(a: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                  rounded: bool = False) -> torch.Tensor:
     """``a [M, K]`` bf16 (M <= ``MAX_TOKENS``, K a multiple of 32) through its FP8 round trip per 32,
     times one or two FP8 weights ``(values [N, K], scales [N/32, K/32])`` (UE8M0 scales) -> ``[M, N (+ N2)]``
-    bf16, the second weight's outputs after the first's: two projections of one input in one launch."""
+    bf16, the second weight's outputs after the first's: two projections of one input in one launch.
+    ``rounded``: ``a`` is that round trip already (its producer computed it), so no launch rounds it."""
     m, k = a.shape
     _check_rows(m)
     if k % 32:
         raise ValueError(f"FP8 linears take K a multiple of 32, got {k}")
     (values, scales), second = weights[0], weights[1:]
-    return decode_mm(act_quant_bf16(a.contiguous()), values, scales, WeightFormat.FP8, cfg=fp8_decode_config(m),
-                     second=second[0] if second else None)
+    return decode_mm(a if rounded else act_quant_bf16(a.contiguous()), values, scales, WeightFormat.FP8,
+                     cfg=fp8_decode_config(m), second=second[0] if second else None)
 
 
 def decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None, fmt: WeightFormat,
               groups: int = 1, out_dtype: torch.dtype = torch.bfloat16, cfg: DecodeConfig | None = None,
-              second: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+              second: tuple[torch.Tensor, torch.Tensor | None] | None = None, round_trip: bool = False) -> torch.Tensor:
     """``a [M, G*K]`` bf16 (M <= ``MAX_TOKENS``; group g reads columns g*K..) times ``W [G*N, K]``
     (FP8 expanded with its scales, or BF16 with ``scales`` None) -> ``[M, G*N]`` in ``out_dtype``;
     ``cfg``: the config (default: ``decode_mm_config``'s); ``second``: a second weight ``(values [N2, K],
-    scales)`` of the same format times the same ``a`` (one group), its outputs in columns N..N+N2."""
+    scales)`` of the same format times the same ``a`` (one group), its outputs in columns N..N+N2;
+    ``round_trip``: the bf16 output's FP8 round trip per 32 instead (rows of a multiple of 32), taken
+    where the splits are added (one split: a launch of its own)."""
     m = a.shape[0]
     k = a.shape[1] // groups
     n = values.shape[0] // groups
     n2 = second[0].shape[0] if second is not None else 0
     _check_rows(m)
+    if round_trip and (out_dtype != torch.bfloat16 or (groups * n + n2) % 32):
+        raise ValueError(f"the FP8 round trip takes bf16 rows of a multiple of 32, got {out_dtype} rows of "
+                         f"{groups * n + n2}")
     if second is not None:
         values, scales, second = _pair_operands(values, scales, second, k, groups)
     out = torch.empty(m, groups * n + n2, dtype=out_dtype, device=a.device)
@@ -209,7 +220,9 @@ def decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None
         EVEN_K=k % cfg.block_k == 0, SCALE_WORDS=words, PARTIAL=partial, OUT_F32=out_dtype == torch.float32,
         EXACT_DOT=INTERPRETED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return _sum_splits(target, out) if partial else out
+    if partial:
+        return _sum_splits(target, out, round_trip)
+    return act_quant_bf16(out) if round_trip else out
 
 
 def _pair_operands(values: torch.Tensor, scales: torch.Tensor | None, second: tuple[torch.Tensor, torch.Tensor | None],

@@ -3,7 +3,9 @@
 ``swiglu(gate, up, limit)``: the shared expert's activation, bf16 ``[N, I]`` twice -> bf16: in fp32,
 ``up`` clamped to ``[-limit, limit]`` and ``gate`` from above at ``limit`` (when ``limit > 0``), then
 ``silu(gate) * up`` with ``silu(g) = g / (1 + exp(g * -1))`` (torch's CUDA formula), rounded to bf16.
-Torch takes seven kernels (two casts, two clamps, silu, the product, the cast back).
+Torch takes seven kernels (two casts, two clamps, silu, the product, the cast back). ``fp8_ready``:
+the result's FP8 round trip per 32 instead (``quant.fp8_qdq`` of the bf16 result, exactly), for the
+down projection, which then skips the round trip's own launch (``KernelBackend.swiglu``).
 
 ``moe_sum(routed, ids, shared)``: a token's routed expert outputs ``routed [N, k, D]`` (bf16) summed in
 fp32 in increasing expert id (``ids [N, k]``, distinct per token), from zero, then the shared
@@ -21,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRETED, exp_f32, to_bf16
+from .triton_common import INTERPRETED, bf16_bits_to_f32, exp_f32, fp8_round_trip_groups, to_bf16
 from .triton_dependent_launch import launch_arguments, let_next_kernel_start, wait_for_previous_kernel
 
 BLOCK = 1024  # features per program
@@ -29,7 +31,7 @@ BLOCK = 1024  # features per program
 
 @triton.jit
 def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, I, stride_g, stride_u, stride_o, limit, CLAMP: tl.constexpr,
-                   BLOCK: tl.constexpr, PDL: tl.constexpr, INTERPRETED: tl.constexpr):
+                   ROUND_TRIP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, INTERPRETED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -41,7 +43,11 @@ def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, I, stride_g, stride_u, stride_o, l
         up = tl.minimum(tl.maximum(up, -limit), limit)
         gate = tl.minimum(gate, limit)
     silu = tl.div_rn(gate, 1.0 + exp_f32(gate * -1.0, INTERPRETED))
-    tl.store(out_ptr + row * stride_o + cols, to_bf16(silu * up, INTERPRETED), mask=mask)
+    y = to_bf16(silu * up, INTERPRETED)
+    if ROUND_TRIP:  # (a block is whole groups of 32; the columns past I are zeros, never stored)
+        exact = bf16_bits_to_f32(y.to(tl.int16, bitcast=True))  # (the interpreter's cast mangles subnormals)
+        y = tl.reshape(fp8_round_trip_groups(tl.reshape(exact, (1, BLOCK)), 1, BLOCK), (BLOCK,)).to(tl.bfloat16)
+    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
 
 
 @triton.jit
@@ -68,17 +74,21 @@ def _moe_sum_kernel(routed_ptr, ids_ptr, shared_ptr, out_ptr, D, stride_rt, stri
     tl.store(out_ptr + t * stride_ot + cols, to_bf16(total, INTERPRETED), mask=col_mask)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, pdl: bool = False) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, pdl: bool = False,
+           round_trip: bool = False) -> torch.Tensor:
     """bf16 ``gate``, ``up`` ``[N, I]`` -> bf16 ``silu(clamped gate) * clamped up`` (module docstring);
-    ``pdl``: programmatic dependent launch where the GPU has it (``triton_dependent_launch``)."""
+    ``pdl``: programmatic dependent launch where the GPU has it (``triton_dependent_launch``);
+    ``round_trip``: its FP8 round trip per 32 instead (I a multiple of 32)."""
     n, i = gate.shape
+    if round_trip and i % 32:
+        raise ValueError(f"the FP8 round trip takes rows of a multiple of 32, got {i}")
     out = torch.empty(n, i, dtype=torch.bfloat16, device=gate.device)
     if n:
         gate = gate if gate.stride(-1) == 1 else gate.contiguous()
         up = up if up.stride(-1) == 1 else up.contiguous()
         _swiglu_kernel[(n, triton.cdiv(i, BLOCK))](
             gate, up, out, i, gate.stride(0), up.stride(0), out.stride(0), float(limit), CLAMP=limit > 0,
-            BLOCK=BLOCK, INTERPRETED=INTERPRETED, num_warps=4, enable_fp_fusion=False,
+            ROUND_TRIP=round_trip, BLOCK=BLOCK, INTERPRETED=INTERPRETED, num_warps=4, enable_fp_fusion=False,
             **launch_arguments(pdl, gate.device))
     return out
 

@@ -5,6 +5,10 @@ then times the weight (in fp32), rounded back to ``x``'s dtype. One program per 
 in registers: one launch where the twin takes six kernels (the cast, the square, the mean, the
 rsqrt, two products and the cast back), ~8 calls per layer.
 
+``fp8_ready``: the normed rows also (or only) as the FP8 linears take them: their FP8 round trip per 32
+(``quant.fp8_qdq`` of the bf16 result, exactly), computed from the row already in registers, so the
+products that read them skip the round trip's own launch (``KernelBackend.rms_norm``).
+
 Arithmetic: the twin's operations in its order, with fusion off. The mean's sum runs in another
 order than torch's reduction, and ``rsqrt`` is CUDA's ``rsqrtf`` (torch's on the GPU; numpy's in
 the interpreter), so the fp32 result can differ from the twin's by a few ulps and, now and then,
@@ -19,13 +23,18 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .triton_common import INTERPRETED, to_bf16
+from .triton_common import INTERPRETED, bf16_bits_to_f32, fp8_round_trip_groups, to_bf16
 from .triton_dependent_launch import launch_arguments, let_next_kernel_start, wait_for_previous_kernel
 
 
+# what the kernel writes: the normed rows, their FP8 round trip, or both (the round trip to ``out2``)
+PLAIN, ROUND_TRIP, BOTH = 0, 1, 2
+
+
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, inv_d, stride_x, stride_o, eps, BLOCK_D: tl.constexpr,
-                     OUT_BF16: tl.constexpr, PDL: tl.constexpr, INTERPRETED: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, out2_ptr, D, inv_d, stride_x, stride_o, stride_o2, eps,
+                     BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr, OUTPUTS: tl.constexpr, PDL: tl.constexpr,
+                     INTERPRETED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -39,26 +48,43 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, inv_d, stride_x, stride_o, eps, B
     else:
         factor = libdevice.rsqrt(mean + eps)
     y = weight * (x * factor)
-    if OUT_BF16:
-        tl.store(out_ptr + row * stride_o + cols, to_bf16(y, INTERPRETED), mask=mask)
-    else:
+    if not OUT_BF16:
         tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+    else:
+        y = to_bf16(y, INTERPRETED)
+        if OUTPUTS != 1:  # PLAIN or BOTH
+            tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+        if OUTPUTS != 0:  # ROUND_TRIP or BOTH (the columns past D are zeros: whole groups of their own, never stored)
+            exact = bf16_bits_to_f32(y.to(tl.int16, bitcast=True))  # (the interpreter's cast mangles subnormals)
+            rounded = tl.reshape(fp8_round_trip_groups(tl.reshape(exact, (1, BLOCK_D)), 1, BLOCK_D), (BLOCK_D,))
+            if OUTPUTS == 1:
+                tl.store(out_ptr + row * stride_o + cols, rounded.to(tl.bfloat16), mask=mask)
+            else:
+                tl.store(out2_ptr + row * stride_o2 + cols, rounded.to(tl.bfloat16), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False,
+             outputs: int = PLAIN) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x ``[..., D]`` (bf16 or fp32), weight ``[D]`` -> RMSNorm'd ``x`` in its dtype (module docstring);
     ``pdl``: programmatic dependent launch where the GPU has it (``triton_dependent_launch``; ``weight``,
-    a model weight that no kernel writes, is then read before the kernel waits for the previous one)."""
+    a model weight that no kernel writes, is then read before the kernel waits for the previous one).
+    ``outputs``: ``PLAIN``; ``ROUND_TRIP``, the normed rows' FP8 round trip per 32 instead; ``BOTH``, the
+    pair (normed rows, their round trip). The round trip takes bf16 rows, D a multiple of 32."""
     assert x.dtype in (torch.bfloat16, torch.float32), x.dtype
     d = x.shape[-1]
+    if outputs != PLAIN and (x.dtype != torch.bfloat16 or d % 32):
+        raise ValueError(f"the FP8 round trip takes bf16 rows of a multiple of 32, got {x.dtype} rows of {d}")
     rows = x.reshape(-1, d)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    out2 = torch.empty_like(out) if outputs == BOTH else out
     if rows.shape[0]:
         block_d = triton.next_power_of_2(d)
         _rms_norm_kernel[(rows.shape[0],)](
-            rows, weight, out, d, 1.0 / d, rows.stride(0), out.stride(0), float(eps), BLOCK_D=block_d,
-            OUT_BF16=x.dtype == torch.bfloat16, INTERPRETED=INTERPRETED, num_warps=min(16, max(1, block_d // 512)),
-            enable_fp_fusion=False, **launch_arguments(pdl, x.device))
+            rows, weight, out, out2, d, 1.0 / d, rows.stride(0), out.stride(0), out2.stride(0), float(eps),
+            BLOCK_D=block_d, OUT_BF16=x.dtype == torch.bfloat16, OUTPUTS=outputs, INTERPRETED=INTERPRETED,
+            num_warps=min(16, max(1, block_d // 512)), enable_fp_fusion=False, **launch_arguments(pdl, x.device))
+    if outputs == BOTH:
+        return out.view(x.shape), out2.view(x.shape)
     return out.view(x.shape)

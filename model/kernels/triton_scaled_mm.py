@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ..config import WeightFormat
 from .tile_configs import scaled_mm_config
-from .triton_common import INTERPRETED, quantize_groups_of_32, to_bf16
+from .triton_common import INTERPRETED, fp8_round_trip_groups, quantize_groups_of_32, to_bf16
 from .triton_dependent_launch import launch_arguments, let_next_kernel_start, wait_for_previous_kernel
 from .triton_weight_tiles import FORMAT_CODES, e2m1_bytes_to_fp16, fragment_column
 
@@ -118,12 +118,12 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s, B
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q, scale = quantize_groups_of_32(x, BLOCK_ROWS, BLOCK_COLS)
     if ROUND_TRIP:  # values times scales, in bf16 (exact)
-        y = tl.reshape(tl.reshape(q, (BLOCK_ROWS, BLOCK_COLS // 32, 32)) * scale[:, :, None], (BLOCK_ROWS, BLOCK_COLS))
+        y = fp8_round_trip_groups(x, BLOCK_ROWS, BLOCK_COLS)
         places = fragment_column(cols) if FRAGMENT_COLUMNS else cols
         tl.store(q_ptr + rows[:, None] * stride_q + places[None, :], y.to(tl.bfloat16), mask=mask)
     else:
+        q, scale = quantize_groups_of_32(x, BLOCK_ROWS, BLOCK_COLS)
         tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q.to(tl.float16), mask=mask)
         blocks = tl.program_id(1) * (BLOCK_COLS // 32) + tl.arange(0, BLOCK_COLS // 32)
         tl.store(s_ptr + rows[:, None] * stride_s + blocks[None, :], scale,
