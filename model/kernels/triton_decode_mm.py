@@ -6,7 +6,8 @@ points, for the small M of decode steps, where the weight's bytes are the whole 
 * ``fp8_decode_mm``: the FP8 linears (``quantized_linear``: the activation's FP8 round trip per 32
   times an FP8 weight). Both scales are folded into bf16 operands, as in the prefill form
   (``triton_bf16_mm``): the round trip is computed once per call (``act_quant_bf16``: each value
-  times its block's scale, exact in bf16), each weight tile is expanded with its 32x32 scales (exact:
+  times its block's scale, exact in bf16; in the model the kernel that makes the input computes it,
+  ``rounded``: FP8-ready rows, ``backend.py``), each weight tile is expanded with its 32x32 scales (exact:
   an e4m3 value times a power of two), and the tensor cores sum the exact products of a whole step
   in fp32. Every product is the reference's; only the order of the fp32 sums differs (within one
   bf16 ulp of the reference's result, tested). Until d2a7a5e it kept the reference's block order:
@@ -24,7 +25,9 @@ points, for the small M of decode steps, where the weight's bytes are the whole 
   shared expert's ``w1`` and ``w3``) take one round trip and one launch: the second weight's row tiles
   follow the first's in the grid, its outputs the first's columns, as in the matrix-vector forms.
 * ``decode_mm``: the other bf16-operand products (the grouped ``wo_a`` with its bf16 activation,
-  the bf16 head), what ``triton_bf16_mm.bf16_mm`` computes, with the weight tile expanded to bf16.
+  the bf16 head), what ``triton_bf16_mm.bf16_mm`` computes, with the weight tile expanded to bf16;
+  ``round_trip``: the output's FP8 round trip instead, taken where the splits are added (``wo_a``'s
+  output as FP8-ready rows for ``wo_b``).
 
 Both take the products transposed and split K:
 
