@@ -54,9 +54,7 @@ def time_graph(timer: Timer, call: Callable[[int], object], calls: int, sets: in
     for i in range(sets):
         call(i)  # compiles outside the capture
     graph, _ = capture_on_this_stream(lambda: [call(i % sets) for i in range(calls)])
-    t = timer.measure(lambda i: graph.replay(), 0.3, 10, 200)
-    del graph
-    return t.median_s / calls
+    return timer.measure(lambda i: graph.replay(), 0.3, 10, 200).median_s / calls
 
 
 def cases(tokens: int, device: torch.device, sets: int, gen: torch.Generator):
