@@ -13,7 +13,9 @@ rotating inputs, next to the bytes the call moves at the copy bandwidth measured
   tokens, ``STAGES_ONE_BLOCK``; then ``triton_sinkhorn``), twice per layer;
 * the FP4 round trips (``triton_fp4_round_trip.BLOCK_ELEMENTS``, values per program): the indexer's
   queries ``[T, 32, 128]`` in groups of 32 with power-of-two scales, and compressed KV rows ``[T, 512]``
-  in groups of 16 with E4M3 scales.
+  in groups of 16 with E4M3 scales;
+* the window's KV rows (``TritonKernels.window_kv``: RMSNorm, RoPE and the FP8 round trip in one launch,
+  against the three launches it replaces, with the same bits).
 
 Prints one line per (kernel, tokens, setting) and a markdown table at the end.
 """
@@ -33,9 +35,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.device_limits import Timer, log, measure_ceilings  # noqa: E402
 from benchmarks.kernels import capture_on_this_stream  # noqa: E402
 from model.kernels import triton_fp4_round_trip, triton_hc_coefficients  # noqa: E402
+from model.kernels.backend import KernelBackend  # noqa: E402
+from model.kernels.triton_backend import TritonKernels  # noqa: E402
+from model.rope import RotaryTable, rope_frequencies  # noqa: E402
 
 HC, HIDDEN, ITERS = 4, 5120, 20  # V4.1-Flash's mHC: 4 copies of the hidden state, 20 Sinkhorn iterations
-INDEX_HEADS, INDEX_DIM, KV_DIM = 32, 128, 512
+INDEX_HEADS, INDEX_DIM, KV_DIM, ROPE_DIMS = 32, 128, 512, 64
 
 
 @contextlib.contextmanager
@@ -57,8 +62,16 @@ def time_graph(timer: Timer, call: Callable[[int], object], calls: int, sets: in
     return timer.measure(lambda i: graph.replay(), 0.3, 10, 200).median_s / calls
 
 
+def with_setting(module, name: str, value, call: Callable[[int], object]) -> Callable[[int], object]:
+    """``call`` run with ``module.name`` set to ``value``."""
+    def run(i: int):
+        with setting(module, name, value):
+            return call(i)
+    return run
+
+
 def cases(tokens: int, device: torch.device, sets: int, gen: torch.Generator):
-    """(name, bytes moved per call, call(i), module, setting name, candidate values) per kernel."""
+    """(kernel, bytes moved per call, [(setting, call(i))]) per kernel; the first setting is the current one."""
     streams = [torch.randn(tokens, HC, HIDDEN, device=device, generator=gen).bfloat16() for _ in range(sets)]
     fn = torch.randn((2 + HC) * HC, HC * HIDDEN, device=device, generator=gen) * 1e-3
     scale = torch.rand(3, device=device, generator=gen)
@@ -67,18 +80,37 @@ def cases(tokens: int, device: torch.device, sets: int, gen: torch.Generator):
     def mhc(i):
         return triton_hc_coefficients.hc_coefficients(streams[i], fn, scale, base, HC, ITERS, 1e-6, 1e-6)
 
-    mhc_bytes = tokens * HC * HIDDEN * 2 + fn.numel() * 4
     queries = [torch.randn(tokens, INDEX_HEADS, INDEX_DIM, device=device, generator=gen).bfloat16() for _ in range(sets)]
     kv = [torch.randn(tokens, KV_DIM, device=device, generator=gen).bfloat16() for _ in range(sets)]
+    norm = (torch.rand(KV_DIM, device=device, generator=gen) + 0.5).bfloat16()
+    positions = [torch.randint(0, 4096, (tokens,), device=device, generator=gen) for _ in range(sets)]
+    rope = RotaryTable(rope_frequencies(ROPE_DIMS, 10000.0, 1.0, 0, 32, 1), 4096, device)
+    kernels = TritonKernels()
+
+    def settings(module, name, values, call):
+        current = getattr(module, name)
+        ordered = [current] + [v for v in values if v != current]
+        return [(f"{name} = {v}" + (" (now)" if v == current else ""), with_setting(module, name, v, call))
+                for v in ordered]
+
+    def index_queries(i):
+        return triton_fp4_round_trip.fp4_round_trip(queries[i], 32)
+
+    def compressed_kv(i):
+        return triton_fp4_round_trip.fp4_round_trip(kv[i], 16, e4m3_scale=True)
+
     blocks = (512, 1024, 2048, 4096)
     return [
-        ("mHC coefficients", mhc_bytes, mhc, triton_hc_coefficients, "STAGES_ONE_BLOCK", (2, 3, 4, 8)),
+        ("mHC coefficients", tokens * HC * HIDDEN * 2 + fn.numel() * 4,
+         settings(triton_hc_coefficients, "STAGES_ONE_BLOCK", (2, 3, 4, 8), mhc)),
         ("FP4 round trip, index queries", 4 * queries[0].numel(),
-         lambda i: triton_fp4_round_trip.fp4_round_trip(queries[i], 32), triton_fp4_round_trip, "BLOCK_ELEMENTS",
-         blocks),
+         settings(triton_fp4_round_trip, "BLOCK_ELEMENTS", blocks, index_queries)),
         ("FP4 round trip, compressed KV", 4 * kv[0].numel(),
-         lambda i: triton_fp4_round_trip.fp4_round_trip(kv[i], 16, e4m3_scale=True), triton_fp4_round_trip,
-         "BLOCK_ELEMENTS", blocks),
+         settings(triton_fp4_round_trip, "BLOCK_ELEMENTS", blocks, compressed_kv)),
+        ("window KV rows (RMSNorm, RoPE, FP8 round trip)", 4 * kv[0].numel(), [
+            ("one launch (now)", lambda i: kernels.window_kv(kv[i], norm, 1e-6, positions[i], rope, ROPE_DIMS)),
+            ("three launches", lambda i: KernelBackend.window_kv(kernels, kv[i], norm, 1e-6, positions[i], rope,
+                                                                 ROPE_DIMS))]),
     ]
 
 
@@ -102,17 +134,14 @@ def main() -> int:
     gen = torch.Generator(device=device).manual_seed(0)
     rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
-        for name, nbytes, call, module, knob, candidates in cases(tokens, device, 4, gen):
-            current = getattr(module, knob)
-            expected = call(0)
-            for value in candidates:
-                with setting(module, knob, value):
-                    if not same(call(0), expected):
-                        raise SystemExit(f"{name}, {tokens} tokens: {knob} = {value} changes the outputs")
-                    seconds = time_graph(timer, call, args.calls, 4)
-                rows.append((name, tokens, f"{knob} = {value}" + (" (now)" if value == current else ""),
-                             seconds, nbytes / bandwidth))
-                log(f"{name}, {tokens} tokens, {rows[-1][2]}: {seconds * 1e6:.2f} us "
+        for name, nbytes, variants in cases(tokens, device, 4, gen):
+            expected = variants[0][1](0)
+            for label, call in variants:
+                if not same(call(0), expected):
+                    raise SystemExit(f"{name}, {tokens} tokens: {label} changes the outputs")
+                seconds = time_graph(timer, call, args.calls, 4)
+                rows.append((name, tokens, label, seconds, nbytes / bandwidth))
+                log(f"{name}, {tokens} tokens, {label}: {seconds * 1e6:.2f} us "
                     f"(bytes at the copy bandwidth: {nbytes / bandwidth * 1e6:.2f} us)")
     print(f"\n{torch.cuda.get_device_name(device)}, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
           f"torch {torch.__version__}; per call, CUDA graphs of {args.calls} calls\n")

@@ -105,9 +105,7 @@ class Attention:
         index_q = index_q[0] if indexed else None
         q = q.unflatten(-1, (cfg.num_heads, cfg.head_dim))
         self.kernels.rotate_(q[..., -rd:], pos, self.rope)
-        kv = self.kernels.rms_norm(kv, w.kv_norm, eps)
-        self.kernels.rotate_(kv[:, -rd:], pos, self.rope)
-        kv = self.kernels.fp8_round_trip(kv)
+        kv = self.kernels.window_kv(kv, w.kv_norm, eps, pos, self.rope, rd)  # normed, rotated, FP8 round trip
 
         if self.role.compress_ratio:
             if self.compressor is not None:

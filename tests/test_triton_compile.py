@@ -141,7 +141,7 @@ def main() -> int:
                                triton_mma_gemv, triton_join_lists, triton_fp4_round_trip, triton_hc_coefficients,
                                triton_index_scores, triton_mhc, triton_moe, triton_moe_sum, triton_ngram_hash,
                                triton_ring_mma_gemv, triton_rms_norm, triton_rope, triton_route, triton_scaled_mm,
-                               triton_sinkhorn, triton_sparse_attention, triton_top_entries)
+                               triton_sinkhorn, triton_sparse_attention, triton_top_entries, triton_window_kv)
     from model.kernels.triton_gluon import GluonASTSource
 
     hopper = GPUTarget("cuda", 90, 32)
@@ -472,6 +472,11 @@ def main() -> int:
               {"BLOCK_D": block_d, "OUT_BF16": out_bf16, "OUTPUTS": outputs, "INTERPRETED": False},
               options={"num_warps": min(16, max(1, block_d // 512)), "enable_fp_fusion": False},  # the launcher's
               wgmma=False, pdl=pdl, spill_free=True, prefetch=True)  # (the norm's weight)
+    check("window_kv D=512 R=64", triton_window_kv._window_kv_kernel,
+          {"x_ptr": "*bf16", "w_ptr": "*bf16", "pos_ptr": "*i64", "table_ptr": "*fp32", "out_ptr": "*bf16",
+           **scalars("D stride_x stride_o stride_p"), "inv_d": "fp32", "eps": "fp32"},
+          {"BLOCK_D": 512, "HALF": 32, "INTERPRETED": False}, options={"num_warps": 1, "enable_fp_fusion": False},
+          wgmma=False, spill_free=True)
     for inverse in (False, True):
         check(f"rope inverse={inverse}", triton_rope._rope_kernel,
               {"x_ptr": "*bf16", "pos_ptr": "*i64", "table_ptr": "*fp32", **scalars("H stride_xt stride_xh stride_p")},

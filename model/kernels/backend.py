@@ -126,6 +126,15 @@ class KernelBackend(ABC):
         quantized linears and elsewhere too (a backend may make both in one launch)."""
         return self.rms_norm(x, weight, eps), self.rms_norm(x, weight, eps, fp8_ready=True)
 
+    def window_kv(self, kv: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
+                  rope: "RotaryTable", rope_dims: int) -> torch.Tensor:
+        """The attention's KV rows from ``wkv``'s output ``kv [T, D]`` bf16: ``rms_norm`` with ``weight``,
+        ``rotate_`` of the last ``rope_dims`` dims at ``positions``, then ``fp8_round_trip`` (a backend may
+        do the three in one launch, with the same bits)."""
+        kv = self.rms_norm(kv, weight, eps)
+        self.rotate_(kv[:, -rope_dims:], positions, rope)
+        return self.fp8_round_trip(kv)
+
     @abstractmethod
     def fp8_round_trip(self, x: torch.Tensor) -> torch.Tensor:
         """bf16 ``[T, K]`` through FP8 e4m3 with a UE8M0 scale per 32 values and back, exactly

@@ -20,7 +20,7 @@ from .reference import ReferenceKernels
 from .triton_bf16_mm import BLOCK_K as BF16_MM_BLOCK_K
 from .triton_bf16_mm import bf16_mm
 from .triton_decode_mm import decode_mm, fp8_decode_mm
-from . import tile_configs, triton_gemv, triton_mma_experts, triton_mma_gemv, triton_rms_norm
+from . import tile_configs, triton_gemv, triton_mma_experts, triton_mma_gemv, triton_rms_norm, triton_window_kv
 from .triton_moe import BLOCK_K as MOE_BLOCK_K
 from .triton_moe import fused_experts
 from .triton_moe_sum import moe_sum, swiglu
@@ -209,6 +209,12 @@ class TritonKernels(KernelBackend):
 
     def fp8_round_trip(self, x: torch.Tensor) -> torch.Tensor:
         return act_quant_bf16(x.contiguous())
+
+    def window_kv(self, kv: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
+                  rope: RotaryTable, rope_dims: int) -> torch.Tensor:
+        if rope.table.shape[-1] * 2 != rope_dims or not triton_window_kv.takes(kv.shape[-1], rope_dims):
+            return super().window_kv(kv, weight, eps, positions, rope, rope_dims)
+        return triton_window_kv.window_kv(kv, weight, eps, positions, rope.table)
 
     def fp4_round_trip(self, x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
         return fp4_round_trip(x, block, e4m3_scale)

@@ -1,0 +1,87 @@
+"""Triton kernel of the attention's KV rows (twin: ``KernelBackend.window_kv``'s three steps).
+
+``window_kv(kv, weight, eps, positions, table)``: each token's KV row ``[D]`` bf16 (``wkv``'s output),
+RMSNormed with ``weight`` (``triton_rms_norm``'s arithmetic), its last ``R`` dims rotated by the
+token's RoPE rotation (``triton_rope``'s arithmetic), then rounded through FP8 per 32 (``quant.fp8_qdq``)
+-> bf16 ``[T, D]``: the rows the window stores and the attention reads. One launch where the three
+kernels took three, once per layer in every step.
+
+Each step's arithmetic is its kernel's, in the same order with fusion off, so the rows equal the
+three launches' bit for bit (tested). A program holds one row: the normed row in registers for the
+first ``D - R`` dims, and the last ``R`` dims loaded again as ``R / 2`` (even, odd) pairs, normed by
+the same factor and rotated; ``R`` is a whole number of groups of 32 at the row's end, so the round
+trip takes the two parts' groups apart. Each row is computed alone: nothing depends on the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .triton_common import INTERPRETED, bf16_bits_to_f32, fp8_round_trip_groups, to_bf16
+
+
+@triton.jit
+def _exact(bf16):
+    """bf16 values as fp32, exactly (the interpreter's cast mangles subnormals)."""
+    return bf16_bits_to_f32(bf16.to(tl.int16, bitcast=True))
+
+
+@triton.jit
+def _window_kv_kernel(x_ptr, w_ptr, pos_ptr, table_ptr, out_ptr, D, inv_d, stride_x, stride_o, stride_p, eps,
+                      BLOCK_D: tl.constexpr, HALF: tl.constexpr, INTERPRETED: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    weight = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x * x, axis=0) * inv_d  # triton_rms_norm's arithmetic
+    if INTERPRETED:
+        factor = 1.0 / tl.sqrt(mean + eps)
+    else:
+        factor = libdevice.rsqrt(mean + eps)
+    normed = _exact(to_bf16(weight * (x * factor), INTERPRETED))
+    rounded = tl.reshape(fp8_round_trip_groups(tl.reshape(normed, (1, BLOCK_D)), 1, BLOCK_D), (BLOCK_D,))
+    tl.store(out_ptr + row * stride_o + cols, rounded.to(tl.bfloat16), mask=cols < D - 2 * HALF)
+
+    # the last 2 * HALF dims as (even, odd) pairs: normed again (the same products), then triton_rope's rotation
+    pairs = tl.arange(0, HALF)
+    tail = D - 2 * HALF + 2 * pairs[:, None] + tl.arange(0, 2)[None, :]  # [HALF, 2]
+    tail_x = tl.load(x_ptr + row * stride_x + tail).to(tl.float32)
+    tail_w = tl.load(w_ptr + tail).to(tl.float32)
+    a, b = tl.split(_exact(to_bf16(tail_w * (tail_x * factor), INTERPRETED)))
+    position = tl.load(pos_ptr + row).to(tl.int64)
+    cos = tl.load(table_ptr + position * stride_p + 2 * pairs)
+    sin = tl.load(table_ptr + position * stride_p + 2 * pairs + 1)
+    rotated = _exact(to_bf16(tl.join(a * cos - b * sin, a * sin + b * cos), INTERPRETED))  # [HALF, 2]
+    tail_rounded = fp8_round_trip_groups(tl.reshape(rotated, (1, 2 * HALF)), 1, 2 * HALF)
+    tl.store(out_ptr + row * stride_o + tl.reshape(tail, (1, 2 * HALF)), tail_rounded.to(tl.bfloat16))
+
+
+def takes(d: int, rope_dims: int) -> bool:
+    """Whether the kernel takes rows of ``d`` dims with a RoPE part of ``rope_dims``: both whole groups of
+    32 (the round trip's), the RoPE part a power of two (its pairs' register shape)."""
+    return d % 32 == 0 and rope_dims % 32 == 0 and rope_dims & (rope_dims - 1) == 0 and 0 < rope_dims <= d
+
+
+def window_kv(kv: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
+              table: torch.Tensor) -> torch.Tensor:
+    """``kv [T, D]`` bf16, ``weight [D]``, ``positions [T]``, ``table`` complex64 ``[P, R / 2]`` (the RoPE
+    rotations) -> bf16 ``[T, D]`` (module docstring; ``takes(D, R)``)."""
+    t, d = kv.shape
+    half = table.shape[-1]
+    if kv.dtype != torch.bfloat16 or not takes(d, 2 * half):
+        raise ValueError(f"window_kv takes bf16 rows of a multiple of 32 and a power-of-two rope part of whole "
+                         f"groups of 32, got {kv.dtype} rows of {d}, rope dims {2 * half}")
+    if kv.stride(-1) != 1:
+        kv = kv.contiguous()
+    out = torch.empty(t, d, dtype=torch.bfloat16, device=kv.device)
+    if t:
+        real = torch.view_as_real(table)  # [P, R / 2, 2] fp32: (cos, sin) pairs
+        block_d = triton.next_power_of_2(d)
+        _window_kv_kernel[(t,)](kv, weight, positions, real, out, d, 1.0 / d, kv.stride(0), out.stride(0),
+                                real.stride(0), float(eps), BLOCK_D=block_d, HALF=half, INTERPRETED=INTERPRETED,
+                                num_warps=min(16, max(1, block_d // 512)), enable_fp_fusion=False)
+    return out

@@ -1,0 +1,53 @@
+"""The attention's KV rows in one launch (``model/kernels/triton_window_kv.py``) against the three
+launches it replaces (``triton_rms_norm``, ``triton_rope``, the FP8 round trip), each of which its own
+test holds against its twin.
+
+Without a GPU the kernels run in Triton's interpreter (``conftest.py`` sets ``TRITON_INTERPRET``). The
+fused kernel does each step's arithmetic in the same order, so the check is bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from model.kernels import triton_window_kv  # noqa: E402
+from model.kernels.backend import KernelBackend  # noqa: E402
+from model.kernels.triton_backend import TritonKernels  # noqa: E402
+from model.rope import RotaryTable, rope_frequencies  # noqa: E402
+from tests.kernel_checks import device  # noqa: E402
+
+
+def rope_table(dims: int) -> RotaryTable:
+    return RotaryTable(rope_frequencies(dims, 10000.0, 1.0, 0, 32, 1), 4096, device())
+
+
+@pytest.mark.parametrize("rows,d,rope_dims", [(1, 512, 64), (7, 512, 64), (3, 128, 32), (2, 96, 32)])
+def test_one_launch_gives_the_three_launches_bits(rows, d, rope_dims):
+    gen = torch.Generator().manual_seed(rows + d)
+    kv = (torch.randn(rows, d, generator=gen) * torch.rand(rows, 1, generator=gen) * 4).bfloat16().to(device())
+    weight = (torch.rand(d, generator=gen) + 0.5).bfloat16().to(device())
+    positions = torch.randint(0, 4096, (rows,), generator=gen).to(device())
+    rope = rope_table(rope_dims)
+    kernels = TritonKernels()
+    three = KernelBackend.window_kv(kernels, kv, weight, 1e-6, positions, rope, rope_dims)  # the three launches
+    one = triton_window_kv.window_kv(kv, weight, 1e-6, positions, rope.table)
+    assert torch.equal(one.view(torch.int16), three.view(torch.int16))
+    assert torch.equal(kernels.window_kv(kv, weight, 1e-6, positions, rope, rope_dims), one)
+
+
+def test_rows_whose_rope_part_splits_a_group_take_the_three_launches():
+    """The tiny models' 16 rope dims share a group of 32 with unrotated dims: the one-launch kernel does
+    not take them, and the backend runs the three steps."""
+    assert not triton_window_kv.takes(64, 16) and triton_window_kv.takes(512, 64)
+    gen = torch.Generator().manual_seed(3)
+    kv = torch.randn(2, 64, generator=gen).bfloat16().to(device())
+    weight = torch.ones(64, dtype=torch.bfloat16, device=device())
+    positions = torch.tensor([5, 9], device=device())
+    rope, kernels = rope_table(16), TritonKernels()
+    expected = KernelBackend.window_kv(kernels, kv, weight, 1e-6, positions, rope, 16)
+    assert torch.equal(kernels.window_kv(kv, weight, 1e-6, positions, rope, 16), expected)
+    with pytest.raises(ValueError, match="whole groups of 32"):
+        triton_window_kv.window_kv(kv, weight, 1e-6, positions, rope.table)
