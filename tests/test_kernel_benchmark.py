@@ -202,3 +202,20 @@ def test_layer_table_shows_the_graph_with_inputs_in_l2_where_it_ran():
     assert "| graph, inputs in L2 | its % of memory limit |" in header
     assert header.count("|") == rule.count("|") == with_it.count("|") == without_it.count("|")
     assert "| 50.0 | 80% |" in with_it and "| - | - |" in without_it
+
+
+def test_layer_table_shows_the_graph_with_plain_inputs_where_it_ran():
+    """``--plain-inputs`` adds the graph's time with every product rounding its own input (before FP8-ready
+    rows), next to the graph's; with ``--pdl`` too, both columns, every row as wide as the header."""
+    from types import SimpleNamespace
+
+    from benchmarks.kernel_report import layer_graph_lines
+
+    specs = [SimpleNamespace(name="attn.wq_a"), SimpleNamespace(name="attn.wkv")]
+    entry = {"m": 16, "sum_s": 80e-6, "graph_s": 64e-6, "mem_limit_s": 40e-6, "limit_s": 40e-6, "instances": 4,
+             "pct_mem_limit": 40 / 64, "pct_limit": 40 / 64, "sum_pct_mem_limit": 0.5,
+             "graph_plain_inputs_s": 70e-6, "graph_without_pdl_s": 66e-6}
+    header, rule, row = layer_graph_lines(specs, [entry])[2:5]
+    assert "| CUDA graph | graph, plain inputs | graph without PDL |" in header
+    assert header.count("|") == rule.count("|") == row.count("|")
+    assert "| 64.0 | 70.0 | 66.0 |" in row
