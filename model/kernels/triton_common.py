@@ -112,6 +112,20 @@ def fp8_round_trip_groups(x, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
+def bf16_exact(y):
+    """bf16 values as fp32, exactly (``bf16_bits_to_f32`` of their bits)."""
+    return bf16_bits_to_f32(y.to(tl.int16, bitcast=True))
+
+
+@triton.jit
+def fp8_round_trip_row(y, BLOCK: tl.constexpr):
+    """bf16 ``[BLOCK]`` (whole groups of 32) -> its FP8 round trip per 32 (``quant.fp8_qdq``), bf16: what a
+    kernel that makes a quantized linear's input writes as FP8-ready rows (``backend.py``)."""
+    rounded = fp8_round_trip_groups(tl.reshape(bf16_exact(y), (1, BLOCK)), 1, BLOCK)
+    return tl.reshape(rounded, (BLOCK,)).to(tl.bfloat16)
+
+
+@triton.jit
 def bf16_bits_to_f32(bits):
     """The int16 bits of bf16 values -> fp32, exact for every value (the interpreter's float cast
     mangles bf16 subnormals)."""

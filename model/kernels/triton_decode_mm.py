@@ -58,7 +58,7 @@ import triton.language as tl
 
 from ..config import WeightFormat
 from .tile_configs import DecodeConfig, decode_mm_config, fp8_decode_config
-from .triton_common import INTERPRETED, bf16_bits_to_f32, fp8_round_trip_groups, sm_count, to_bf16
+from .triton_common import INTERPRETED, fp8_round_trip_row, sm_count, to_bf16
 from .triton_scaled_mm import act_quant_bf16
 from .triton_weight_tiles import FORMAT_CODES, row_exponents, scale_words, scaled_rows
 
@@ -120,8 +120,7 @@ def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLITS: tl.constexpr, OUT_F32: 
     else:
         out = to_bf16(total, EXACT_DOT)
         if ROUND_TRIP:  # rows of a multiple of 32 columns: a block is whole groups (past numel: zeros, not stored)
-            exact = bf16_bits_to_f32(out.to(tl.int16, bitcast=True))  # (the interpreter's cast mangles subnormals)
-            out = tl.reshape(fp8_round_trip_groups(tl.reshape(exact, (1, BLOCK)), 1, BLOCK), (BLOCK,)).to(tl.bfloat16)
+            out = fp8_round_trip_row(out, BLOCK)
         tl.store(out_ptr + offs, out, mask=mask)
 
 

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRETED, bf16_bits_to_f32, exp_f32, fp8_round_trip_groups, to_bf16
+from .triton_common import INTERPRETED, exp_f32, fp8_round_trip_row, to_bf16
 from .triton_dependent_launch import launch_arguments, let_next_kernel_start, wait_for_previous_kernel
 
 BLOCK = 1024  # features per program
@@ -45,8 +45,7 @@ def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, I, stride_g, stride_u, stride_o, l
     silu = tl.div_rn(gate, 1.0 + exp_f32(gate * -1.0, INTERPRETED))
     y = to_bf16(silu * up, INTERPRETED)
     if ROUND_TRIP:  # (a block is whole groups of 32; the columns past I are zeros, never stored)
-        exact = bf16_bits_to_f32(y.to(tl.int16, bitcast=True))  # (the interpreter's cast mangles subnormals)
-        y = tl.reshape(fp8_round_trip_groups(tl.reshape(exact, (1, BLOCK)), 1, BLOCK), (BLOCK,)).to(tl.bfloat16)
+        y = fp8_round_trip_row(y, BLOCK)
     tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
 
 

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .triton_common import INTERPRETED, bf16_bits_to_f32, fp8_round_trip_groups, to_bf16
+from .triton_common import INTERPRETED, fp8_round_trip_row, to_bf16
 from .triton_dependent_launch import launch_arguments, let_next_kernel_start, wait_for_previous_kernel
 
 
@@ -55,12 +55,11 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, out2_ptr, D, inv_d, stride_x, stride
         if OUTPUTS != 1:  # PLAIN or BOTH
             tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
         if OUTPUTS != 0:  # ROUND_TRIP or BOTH (the columns past D are zeros: whole groups of their own, never stored)
-            exact = bf16_bits_to_f32(y.to(tl.int16, bitcast=True))  # (the interpreter's cast mangles subnormals)
-            rounded = tl.reshape(fp8_round_trip_groups(tl.reshape(exact, (1, BLOCK_D)), 1, BLOCK_D), (BLOCK_D,))
+            rounded = fp8_round_trip_row(y, BLOCK_D)
             if OUTPUTS == 1:
-                tl.store(out_ptr + row * stride_o + cols, rounded.to(tl.bfloat16), mask=mask)
+                tl.store(out_ptr + row * stride_o + cols, rounded, mask=mask)
             else:
-                tl.store(out2_ptr + row * stride_o2 + cols, rounded.to(tl.bfloat16), mask=mask)
+                tl.store(out2_ptr + row * stride_o2 + cols, rounded, mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False,

@@ -20,13 +20,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .triton_common import INTERPRETED, bf16_bits_to_f32, fp8_round_trip_groups, to_bf16
-
-
-@triton.jit
-def _exact(bf16):
-    """bf16 values as fp32, exactly (the interpreter's cast mangles subnormals)."""
-    return bf16_bits_to_f32(bf16.to(tl.int16, bitcast=True))
+from .triton_common import INTERPRETED, bf16_exact, fp8_round_trip_row, to_bf16
 
 
 @triton.jit
@@ -42,22 +36,21 @@ def _window_kv_kernel(x_ptr, w_ptr, pos_ptr, table_ptr, out_ptr, D, inv_d, strid
         factor = 1.0 / tl.sqrt(mean + eps)
     else:
         factor = libdevice.rsqrt(mean + eps)
-    normed = _exact(to_bf16(weight * (x * factor), INTERPRETED))
-    rounded = tl.reshape(fp8_round_trip_groups(tl.reshape(normed, (1, BLOCK_D)), 1, BLOCK_D), (BLOCK_D,))
-    tl.store(out_ptr + row * stride_o + cols, rounded.to(tl.bfloat16), mask=cols < D - 2 * HALF)
+    rounded = fp8_round_trip_row(to_bf16(weight * (x * factor), INTERPRETED), BLOCK_D)
+    tl.store(out_ptr + row * stride_o + cols, rounded, mask=cols < D - 2 * HALF)
 
     # the last 2 * HALF dims as (even, odd) pairs: normed again (the same products), then triton_rope's rotation
     pairs = tl.arange(0, HALF)
     tail = D - 2 * HALF + 2 * pairs[:, None] + tl.arange(0, 2)[None, :]  # [HALF, 2]
     tail_x = tl.load(x_ptr + row * stride_x + tail).to(tl.float32)
     tail_w = tl.load(w_ptr + tail).to(tl.float32)
-    a, b = tl.split(_exact(to_bf16(tail_w * (tail_x * factor), INTERPRETED)))
+    a, b = tl.split(bf16_exact(to_bf16(tail_w * (tail_x * factor), INTERPRETED)))
     position = tl.load(pos_ptr + row).to(tl.int64)
     cos = tl.load(table_ptr + position * stride_p + 2 * pairs)
     sin = tl.load(table_ptr + position * stride_p + 2 * pairs + 1)
-    rotated = _exact(to_bf16(tl.join(a * cos - b * sin, a * sin + b * cos), INTERPRETED))  # [HALF, 2]
-    tail_rounded = fp8_round_trip_groups(tl.reshape(rotated, (1, 2 * HALF)), 1, 2 * HALF)
-    tl.store(out_ptr + row * stride_o + tl.reshape(tail, (1, 2 * HALF)), tail_rounded.to(tl.bfloat16))
+    rotated = to_bf16(tl.join(a * cos - b * sin, a * sin + b * cos), INTERPRETED)  # [HALF, 2]
+    tail_rounded = fp8_round_trip_row(tl.reshape(rotated, (2 * HALF,)), 2 * HALF)
+    tl.store(out_ptr + row * stride_o + tl.reshape(tail, (2 * HALF,)), tail_rounded)
 
 
 def takes(d: int, rope_dims: int) -> bool:
