@@ -15,7 +15,9 @@ rotating inputs, next to the bytes the call moves at the copy bandwidth measured
   queries ``[T, 32, 128]`` in groups of 32 with power-of-two scales, and compressed KV rows ``[T, 512]``
   in groups of 16 with E4M3 scales;
 * the window's KV rows (``TritonKernels.window_kv``: RMSNorm, RoPE and the FP8 round trip in one launch,
-  against the three launches it replaces, with the same bits).
+  against the three launches it replaces, with the same bits);
+* a sub-layer's input (``TritonKernels.hc_collapse_and_norm_fp8_ready``: mHC's collapse and the RMSNorm in one
+  launch, against the two launches it replaces).
 
 Prints one line per (kernel, tokens, setting) and a markdown table at the end.
 """
@@ -99,6 +101,12 @@ def cases(tokens: int, device: torch.device, sets: int, gen: torch.Generator):
     def compressed_kv(i):
         return triton_fp4_round_trip.fp4_round_trip(kv[i], 16, e4m3_scale=True)
 
+    pres = [torch.rand(tokens, HC, device=device, generator=gen) for _ in range(sets)]
+    hidden_norm = (torch.rand(HIDDEN, device=device, generator=gen) + 0.5).bfloat16()
+
+    def sublayer_input(backend: type[KernelBackend]):
+        return lambda i: backend.hc_collapse_and_norm_fp8_ready(kernels, streams[i], pres[i], hidden_norm, 1e-6)
+
     blocks = (512, 1024, 2048, 4096)
     return [
         ("mHC coefficients", tokens * HC * HIDDEN * 2 + fn.numel() * 4,
@@ -111,6 +119,9 @@ def cases(tokens: int, device: torch.device, sets: int, gen: torch.Generator):
             ("one launch (now)", lambda i: kernels.window_kv(kv[i], norm, 1e-6, positions[i], rope, ROPE_DIMS)),
             ("three launches", lambda i: KernelBackend.window_kv(kernels, kv[i], norm, 1e-6, positions[i], rope,
                                                                  ROPE_DIMS))]),
+        ("sub-layer input (mHC collapse, RMSNorm, FP8-ready rows)", tokens * HC * HIDDEN * 2 + 4 * tokens * HIDDEN, [
+            ("one launch (now)", sublayer_input(TritonKernels)),
+            ("collapse, then the norm", sublayer_input(KernelBackend))]),
     ]
 
 

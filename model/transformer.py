@@ -77,13 +77,13 @@ class Block:
         residual = stream
         attn_pre, attn_post, attn_comb = self.attn_hc.coefficients(stream)
         # the normed rows, and the same as the FP8 linears take them (model/kernels/backend.py: FP8-ready rows)
-        x, x_fp8 = self.kernels.rms_norm_and_fp8_ready(self.kernels.hc_collapse(stream, pre_mix), self.attn_norm, eps)
+        x, x_fp8 = self.kernels.hc_collapse_and_norm_fp8_ready(stream, pre_mix, self.attn_norm, eps)
         stream = self.kernels.hc_expand(self.attention(x, x_fp8, batch, cache, state), residual, attn_post, attn_comb)
 
         residual = stream
         ffn_pre, ffn_post, ffn_comb = self.ffn_hc.coefficients(stream)
-        x, x_fp8 = self.kernels.rms_norm_and_fp8_ready(self.kernels.hc_collapse(stream, attn_pre),  # the delayed
-                                                       self.ffn_norm, eps)  # pre-mix
+        # (collapsed by the attention's pre-mix: mHC's pre-mix is delayed by one sub-layer)
+        x, x_fp8 = self.kernels.hc_collapse_and_norm_fp8_ready(stream, attn_pre, self.ffn_norm, eps)
         stream = self.kernels.hc_expand(self.moe(x, x_fp8), residual, ffn_post, ffn_comb)
         return stream, ffn_pre
 
@@ -123,7 +123,7 @@ class V41Model:
                 column = cfg.engram_layer_ids.index(block.layer_id)
                 stream = block.engram(stream, hash_ids[:, column])
             stream, pre_mix = block(stream, pre_mix, batch, cache, state)
-        return self.kernels.rms_norm(self.kernels.hc_collapse(stream, pre_mix), self.final_norm, cfg.rms_norm_eps)
+        return self.kernels.hc_collapse_and_norm(stream, pre_mix, self.final_norm, cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -459,17 +459,19 @@ def main() -> int:
               {"GROUP": group, "E4M3_SCALE": e4m3_scale, "BLOCK_ROWS": triton_fp4_round_trip.BLOCK_ELEMENTS // block_k,
                "BLOCK_K": block_k}, wgmma=False)
     norm_outputs = {triton_rms_norm.PLAIN: "plain", triton_rms_norm.ROUND_TRIP: "round trip", triton_rms_norm.BOTH: "both"}
-    for out_bf16, block_d, pdl, outputs in ((True, 8192, False, triton_rms_norm.PLAIN),
-                                            (True, 512, False, triton_rms_norm.PLAIN),
-                                            (False, 128, False, triton_rms_norm.PLAIN),
-                                            (True, 8192, True, triton_rms_norm.PLAIN),
-                                            (True, 8192, False, triton_rms_norm.BOTH),  # attn_norm, ffn_norm
-                                            (True, 2048, False, triton_rms_norm.ROUND_TRIP)):  # q_norm
+    for out_bf16, block_d, hc, pdl, outputs in ((True, 8192, 0, False, triton_rms_norm.PLAIN),
+                                                (True, 512, 0, False, triton_rms_norm.PLAIN),
+                                                (False, 128, 0, False, triton_rms_norm.PLAIN),
+                                                (True, 8192, 0, True, triton_rms_norm.PLAIN),
+                                                (True, 8192, 4, False, triton_rms_norm.PLAIN),  # the final norm
+                                                (True, 8192, 4, True, triton_rms_norm.BOTH),  # attn_norm, ffn_norm
+                                                (True, 2048, 0, False, triton_rms_norm.ROUND_TRIP)):  # q_norm
         dtype = "*bf16" if out_bf16 else "*fp32"
-        check(f"rms_norm bf16={out_bf16} D<={block_d} {norm_outputs[outputs]}", triton_rms_norm._rms_norm_kernel,
-              {"x_ptr": dtype, "w_ptr": "*bf16", "out_ptr": dtype, "out2_ptr": dtype,
-               **scalars("D stride_x stride_o stride_o2"), "inv_d": "fp32", "eps": "fp32"},
-              {"BLOCK_D": block_d, "OUT_BF16": out_bf16, "OUTPUTS": outputs, "INTERPRETED": False},
+        check(f"rms_norm bf16={out_bf16} D<={block_d} collapse={hc} {norm_outputs[outputs]}",
+              triton_rms_norm._rms_norm_kernel,
+              {"x_ptr": dtype, "pre_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": dtype, "out2_ptr": dtype,
+               **scalars("D stride_x stride_h stride_p stride_o stride_o2"), "inv_d": "fp32", "eps": "fp32"},
+              {"BLOCK_D": block_d, "HC": hc, "OUT_BF16": out_bf16, "OUTPUTS": outputs, "INTERPRETED": False},
               options={"num_warps": min(16, max(1, block_d // 512)), "enable_fp_fusion": False},  # the launcher's
               wgmma=False, pdl=pdl, spill_free=True, prefetch=True)  # (the norm's weight)
     check("window_kv D=512 R=64", triton_window_kv._window_kv_kernel,

@@ -126,6 +126,18 @@ class KernelBackend(ABC):
         quantized linears and elsewhere too (a backend may make both in one launch)."""
         return self.rms_norm(x, weight, eps), self.rms_norm(x, weight, eps, fp8_ready=True)
 
+    def hc_collapse_and_norm(self, stream: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor,
+                             eps: float) -> torch.Tensor:
+        """``rms_norm(hc_collapse(stream, pre), weight, eps)``: mHC's collapse of the stream, normed (a backend
+        may do both in one launch, with the same bits)."""
+        return self.rms_norm(self.hc_collapse(stream, pre), weight, eps)
+
+    def hc_collapse_and_norm_fp8_ready(self, stream: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor,
+                                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rms_norm_and_fp8_ready(hc_collapse(stream, pre), weight, eps)``: a sub-layer's input, normed and
+        as its FP8 linears take it (a backend may do it in one launch, with the same bits)."""
+        return self.rms_norm_and_fp8_ready(self.hc_collapse(stream, pre), weight, eps)
+
     def window_kv(self, kv: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
                   rope: "RotaryTable", rope_dims: int) -> torch.Tensor:
         """The attention's KV rows from ``wkv``'s output ``kv [T, D]`` bf16: ``rms_norm`` with ``weight``,

@@ -31,7 +31,7 @@ from .triton_index_scores import index_scores
 from .triton_mhc import collapse, expand
 from .triton_engram import engram_gate as triton_engram_gate
 from .triton_ngram_hash import ngram_hash_ids
-from .triton_rms_norm import rms_norm
+from .triton_rms_norm import collapse_and_rms_norm, rms_norm
 from .triton_rope import rotate_
 from .triton_sparse_attention import sparse_attention
 from .triton_top_entries import top_entries
@@ -206,6 +206,17 @@ class TritonKernels(KernelBackend):
         if self._rounds_apart(x.numel() // max(1, x.shape[-1])):
             return rms_norm(x, weight, eps, pdl=self.pdl, outputs=triton_rms_norm.BOTH)
         normed = rms_norm(x, weight, eps, pdl=self.pdl)
+        return normed, normed
+
+    def hc_collapse_and_norm(self, stream: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor,
+                             eps: float) -> torch.Tensor:
+        return collapse_and_rms_norm(stream, pre, weight, eps, pdl=self.pdl)
+
+    def hc_collapse_and_norm_fp8_ready(self, stream: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor,
+                                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rounds_apart(stream.shape[0]):
+            return collapse_and_rms_norm(stream, pre, weight, eps, pdl=self.pdl, outputs=triton_rms_norm.BOTH)
+        normed = collapse_and_rms_norm(stream, pre, weight, eps, pdl=self.pdl)
         return normed, normed
 
     def fp8_round_trip(self, x: torch.Tensor) -> torch.Tensor:

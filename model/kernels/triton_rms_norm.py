@@ -9,6 +9,12 @@ rsqrt, two products and the cast back), ~8 calls per layer.
 (``quant.fp8_qdq`` of the bf16 result, exactly), computed from the row already in registers, so the
 products that read them skip the round trip's own launch (``KernelBackend.rms_norm``).
 
+``collapse_and_rms_norm(stream, pre, weight, eps)``: the rows to norm are mHC's collapse of the stream
+(``triton_mhc.collapse``: the copies weighted by ``pre`` and summed in fp32 in the same order, rounded to
+bf16), computed in the program that norms them. Every sub-layer's input and the final norm's are made
+this way, so the collapse's own launch goes (17 per step of the 8-layer V4.1-Flash config), and the
+results are the two launches' bits.
+
 Arithmetic: the twin's operations in its order, with fusion off. The mean's sum runs in another
 order than torch's reduction, and ``rsqrt`` is CUDA's ``rsqrtf`` (torch's on the GPU; numpy's in
 the interpreter), so the fp32 result can differ from the twin's by a few ulps and, now and then,
@@ -25,6 +31,7 @@ from triton.language.extra import libdevice
 
 from .triton_common import INTERPRETED, fp8_round_trip_row, to_bf16
 from .triton_dependent_launch import launch_arguments, let_next_kernel_start, wait_for_previous_kernel
+from .triton_mhc import collapse_row
 
 
 # what the kernel writes: the normed rows, their FP8 round trip, or both (the round trip to ``out2``)
@@ -32,16 +39,20 @@ PLAIN, ROUND_TRIP, BOTH = 0, 1, 2
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, out2_ptr, D, inv_d, stride_x, stride_o, stride_o2, eps,
-                     BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr, OUTPUTS: tl.constexpr, PDL: tl.constexpr,
-                     INTERPRETED: tl.constexpr):
+def _rms_norm_kernel(x_ptr, pre_ptr, w_ptr, out_ptr, out2_ptr, D, inv_d, stride_x, stride_h, stride_p, stride_o,
+                     stride_o2, eps, BLOCK_D: tl.constexpr, HC: tl.constexpr, OUT_BF16: tl.constexpr,
+                     OUTPUTS: tl.constexpr, PDL: tl.constexpr, INTERPRETED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
     weight = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a model weight: before the wait
     wait_for_previous_kernel(PDL)
     let_next_kernel_start(PDL)  # (the next product then loads its first weights while this row is normed)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HC == 0:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    else:  # the row is the collapse of a stream's HC copies, ``triton_mhc.collapse``'s arithmetic in its order
+        x = to_bf16(collapse_row(x_ptr + row * stride_x, pre_ptr + row * stride_p, stride_h, cols, mask, HC),
+                    INTERPRETED).to(tl.float32)
     mean = tl.sum(x * x, axis=0) * inv_d  # torch's CUDA mean multiplies by fp32(1 / D)
     if INTERPRETED:
         factor = 1.0 / tl.sqrt(mean + eps)
@@ -71,19 +82,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = Fals
     pair (normed rows, their round trip). The round trip takes bf16 rows, D a multiple of 32."""
     assert x.dtype in (torch.bfloat16, torch.float32), x.dtype
     d = x.shape[-1]
-    if outputs != PLAIN and (x.dtype != torch.bfloat16 or d % 32):
-        raise ValueError(f"the FP8 round trip takes bf16 rows of a multiple of 32, got {x.dtype} rows of {d}")
     rows = x.reshape(-1, d)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    out = _launch(rows, None, weight, eps, pdl, outputs)
+    if outputs == BOTH:
+        return out[0].view(x.shape), out[1].view(x.shape)
+    return out.view(x.shape)
+
+
+def collapse_and_rms_norm(stream: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float,
+                          pdl: bool = False, outputs: int = PLAIN) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm(triton_mhc.collapse(stream, pre), weight, eps, pdl, outputs)`` in one launch, with the same
+    bits: stream ``[T, hc, D]`` bf16, pre ``[T, hc]`` fp32 -> ``[T, D]`` bf16 (or the pair, ``BOTH``)."""
+    assert stream.dtype == torch.bfloat16 and stream.stride(-1) == 1, (stream.dtype, stream.stride())
+    return _launch(stream, pre.float(), weight, eps, pdl, outputs)
+
+
+def _launch(rows: torch.Tensor, pre: torch.Tensor | None, weight: torch.Tensor, eps: float, pdl: bool,
+            outputs: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The kernel over ``rows [T, D]``, or over the collapse of ``rows [T, hc, D]`` by ``pre`` -> ``[T, D]``."""
+    d = rows.shape[-1]
+    if outputs != PLAIN and (rows.dtype != torch.bfloat16 or d % 32):
+        raise ValueError(f"the FP8 round trip takes bf16 rows of a multiple of 32, got {rows.dtype} rows of {d}")
+    out = torch.empty(rows.shape[0], d, dtype=rows.dtype, device=rows.device)
     out2 = torch.empty_like(out) if outputs == BOTH else out
     if rows.shape[0]:
         block_d = triton.next_power_of_2(d)
+        hc, stride_h, pre, stride_p = (0, 0, rows, 0) if pre is None else (rows.shape[1], rows.stride(1), pre,
+                                                                           pre.stride(0))
         _rms_norm_kernel[(rows.shape[0],)](
-            rows, weight, out, out2, d, 1.0 / d, rows.stride(0), out.stride(0), out2.stride(0), float(eps),
-            BLOCK_D=block_d, OUT_BF16=x.dtype == torch.bfloat16, OUTPUTS=outputs, INTERPRETED=INTERPRETED,
-            num_warps=min(16, max(1, block_d // 512)), enable_fp_fusion=False, **launch_arguments(pdl, x.device))
-    if outputs == BOTH:
-        return out.view(x.shape), out2.view(x.shape)
-    return out.view(x.shape)
+            rows, pre, weight, out, out2, d, 1.0 / d, rows.stride(0), stride_h, stride_p, out.stride(0),
+            out2.stride(0), float(eps), BLOCK_D=block_d, HC=hc, OUT_BF16=rows.dtype == torch.bfloat16,
+            OUTPUTS=outputs, INTERPRETED=INTERPRETED, num_warps=min(16, max(1, block_d // 512)),
+            enable_fp_fusion=False, **launch_arguments(pdl, rows.device))
+    return (out, out2) if outputs == BOTH else out
