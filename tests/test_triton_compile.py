@@ -453,6 +453,19 @@ def main() -> int:
           {"MIXES": 24, "COLS": triton_hc_coefficients.PARTIAL_COLS, "BLOCK_T": triton_hc_coefficients.BLOCK_T,
            "BLOCK_K": triton_hc_coefficients.BLOCK_K, "SPLIT_K": triton_hc_coefficients.SPLIT_K,
            "INTERPRETED": False}, spill_free=True)
+    sinkhorn_t = triton_hc_coefficients.SINKHORN_IN_LAST_SLICE
+    check(f"hc coefficients with the Sinkhorn in the last slice, {sinkhorn_t} tokens",
+          triton_hc_coefficients._coefficients_kernel,
+          {"x_ptr": "*bf16", "fn_ptr": "*fp32", "part_ptr": "*fp32", "counter_ptr": "*i32",
+           **{name: "*fp32" for name in ("scale_ptr", "base_ptr", "pre_ptr", "post_ptr", "comb_ptr")},
+           **scalars("T K stride_x stride_fn stride_pt iters"), "eps": "fp32", "norm_eps": "fp32"},
+          {"HC": 4, "COLS": triton_hc_coefficients.PARTIAL_COLS, "BLOCK_T": triton_hc_coefficients.BLOCK_T,
+           "BLOCK_K": triton_hc_coefficients.BLOCK_K, "SPLIT_K": triton_hc_coefficients.SPLIT_K, "SLICES": 40,
+           "SINKHORN_T": sinkhorn_t, "INTERPRETED": False},
+          # (not spill-free: the partial sums' loop alone takes 252 registers under Triton 3.6, and here one value
+          # is spilled before it and reloaded three times in it, from L1)
+          options={"num_warps": sinkhorn_t * 16 // 32, "num_stages": triton_hc_coefficients.STAGES_ONE_BLOCK,
+                   "enable_fp_fusion": False})
     for group, e4m3_scale, block_k in ((32, False, 128), (16, True, 512)):  # index keys/queries; compressed KV
         check(f"fp4_round_trip group={group}", triton_fp4_round_trip._fp4_round_trip_kernel,
               {"x_ptr": "*i16", "out_ptr": "*bf16", **scalars("R K stride_x stride_o")},
