@@ -59,9 +59,11 @@ class TritonKernels(KernelBackend):
     the routed experts of a step with up to ``tile_configs.MMA_EXPERTS_MAX_PAIRS`` pairs per expert take
     ``triton_mma_experts``, all others ``triton_moe``. The sparse attention is one launch per layer
     (``triton_sparse_attention``), where its torch twin takes ~120 small kernels; mHC's coefficients
-    take two (``triton_hc_coefficients``) instead of ~140; the window's KV rows one (``triton_window_kv``:
-    RMSNorm, RoPE and the FP8 round trip); RMSNorm, RoPE, the FP8/FP4 round trips,
-    mHC's collapse and expand, the shared expert's SwiGLU and the MoE's routing and expert sum one each; the
+    take two (``triton_hc_coefficients``) instead of ~140, one up to 8 tokens (the Sinkhorn in the partial
+    sums' last program); the window's KV rows one (``triton_window_kv``: RMSNorm, RoPE and the FP8 round
+    trip); a sub-layer's input one (``triton_rms_norm.collapse_and_rms_norm``: mHC's collapse and the
+    RMSNorm); RMSNorm, RoPE, the FP8/FP4 round trips,
+    mHC's expand, the shared expert's SwiGLU and the MoE's routing and expert sum one each; the
     indexer's scores read each sequence's keys in place (``triton_index_scores``) instead of a
     per-query copy, and its top-k is a threshold search (``triton_top_entries``) instead of two sorts;
     Engram's n-gram hashing is one launch (``triton_ngram_hash``) instead of ~45.

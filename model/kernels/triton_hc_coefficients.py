@@ -12,6 +12,12 @@ norm_eps)`` (``fn [(2 + hc) * hc, K]`` fp32) and from them pre ``[hc]``, post ``
 2. ``triton_sinkhorn``'s kernel adds each token's slices in increasing order, applies the rsqrt and
    runs the split and the Sinkhorn iterations.
 
+Up to ``SINKHORN_IN_LAST_SLICE`` tokens (a decode step of a few) it is one launch: ``_coefficients_kernel``
+stores the partial sums as the first kernel does, counts each program in when its partials are stored
+(``triton_split_sums.last_to_arrive``), and the last of them runs the second kernel's code
+(``triton_sinkhorn.coefficients_of_tokens``) on the partials, read from L2. The same arithmetic in the
+same order: the same bits as the two launches.
+
 Why: torch computes the mixes from an fp32 copy of the stream (``[T, 20480]`` for V4.1-Flash: 671 MB
 at an 8K prefill, written once and read three times), a square, a mean and an fp32 product: ~7
 kernels and ~2.1 ms per call at 8K tokens, twice per layer, and 8 of a one-token step's ~160
