@@ -18,7 +18,8 @@ rotating inputs, next to the bytes the call moves at the copy bandwidth measured
 * the window's KV rows (``TritonKernels.window_kv``: RMSNorm, RoPE and the FP8 round trip in one launch,
   against the three launches it replaces, with the same bits);
 * a sub-layer's input (``TritonKernels.hc_collapse_and_norm_fp8_ready``: mHC's collapse and the RMSNorm in one
-  launch, against the two launches it replaces).
+  launch, against the two launches it replaces), and the FFN's, with the attention's expand before them
+  (``hc_expand_collapse_and_norm_fp8_ready``, against three launches).
 
 Prints one line per (kernel, tokens, setting) and a markdown table at the end.
 """
@@ -105,8 +106,16 @@ def cases(tokens: int, device: torch.device, sets: int, gen: torch.Generator):
     pres = [torch.rand(tokens, HC, device=device, generator=gen) for _ in range(sets)]
     hidden_norm = (torch.rand(HIDDEN, device=device, generator=gen) + 0.5).bfloat16()
 
+    outputs = [torch.randn(tokens, HIDDEN, device=device, generator=gen).bfloat16() for _ in range(sets)]
+    posts = [2 * torch.rand(tokens, HC, device=device, generator=gen) for _ in range(sets)]
+    combs = [torch.softmax(torch.randn(tokens, HC, HC, device=device, generator=gen), -1) for _ in range(sets)]
+
     def sublayer_input(backend: type[KernelBackend]):
         return lambda i: backend.hc_collapse_and_norm_fp8_ready(kernels, streams[i], pres[i], hidden_norm, 1e-6)
+
+    def ffn_input(backend: type[KernelBackend]):
+        return lambda i: backend.hc_expand_collapse_and_norm_fp8_ready(kernels, outputs[i], streams[i], posts[i],
+                                                                       combs[i], pres[i], hidden_norm, 1e-6)
 
     blocks = (512, 1024, 2048, 4096)
     return [
@@ -124,6 +133,9 @@ def cases(tokens: int, device: torch.device, sets: int, gen: torch.Generator):
         ("sub-layer input (mHC collapse, RMSNorm, FP8-ready rows)", tokens * HC * HIDDEN * 2 + 4 * tokens * HIDDEN, [
             ("one launch (now)", sublayer_input(TritonKernels)),
             ("collapse, then the norm", sublayer_input(KernelBackend))]),
+        ("FFN input (mHC expand, collapse, RMSNorm, FP8-ready rows)", tokens * HC * HIDDEN * 4 + 6 * tokens * HIDDEN, [
+            ("one launch (now)", ffn_input(TritonKernels)),
+            ("expand, collapse, then the norm", ffn_input(KernelBackend))]),
     ]
 
 

@@ -78,12 +78,13 @@ class Block:
         attn_pre, attn_post, attn_comb = self.attn_hc.coefficients(stream)
         # the normed rows, and the same as the FP8 linears take them (model/kernels/backend.py: FP8-ready rows)
         x, x_fp8 = self.kernels.hc_collapse_and_norm_fp8_ready(stream, pre_mix, self.attn_norm, eps)
-        stream = self.kernels.hc_expand(self.attention(x, x_fp8, batch, cache, state), residual, attn_post, attn_comb)
+        # the stream after the attention, and from it the FFN's input: collapsed by the attention's pre-mix
+        # (mHC's pre-mix is delayed by one sub-layer)
+        stream, x, x_fp8 = self.kernels.hc_expand_collapse_and_norm_fp8_ready(
+            self.attention(x, x_fp8, batch, cache, state), residual, attn_post, attn_comb, attn_pre, self.ffn_norm, eps)
 
         residual = stream
         ffn_pre, ffn_post, ffn_comb = self.ffn_hc.coefficients(stream)
-        # (collapsed by the attention's pre-mix: mHC's pre-mix is delayed by one sub-layer)
-        x, x_fp8 = self.kernels.hc_collapse_and_norm_fp8_ready(stream, attn_pre, self.ffn_norm, eps)
         stream = self.kernels.hc_expand(self.moe(x, x_fp8), residual, ffn_post, ffn_comb)
         return stream, ffn_pre
 

@@ -141,7 +141,8 @@ def main() -> int:
                                triton_mma_gemv, triton_join_lists, triton_fp4_round_trip, triton_hc_coefficients,
                                triton_index_scores, triton_mhc, triton_moe, triton_moe_sum, triton_ngram_hash,
                                triton_ring_mma_gemv, triton_rms_norm, triton_rope, triton_route, triton_scaled_mm,
-                               triton_sinkhorn, triton_sparse_attention, triton_top_entries, triton_window_kv)
+                               triton_sinkhorn, triton_sparse_attention, triton_sublayer_input, triton_top_entries,
+                               triton_window_kv)
     from model.kernels.triton_gluon import GluonASTSource
 
     hopper = GPUTarget("cuda", 90, 32)
@@ -472,21 +473,29 @@ def main() -> int:
               {"GROUP": group, "E4M3_SCALE": e4m3_scale, "BLOCK_ROWS": triton_fp4_round_trip.BLOCK_ELEMENTS // block_k,
                "BLOCK_K": block_k}, wgmma=False)
     norm_outputs = {triton_rms_norm.PLAIN: "plain", triton_rms_norm.ROUND_TRIP: "round trip", triton_rms_norm.BOTH: "both"}
-    for out_bf16, block_d, hc, pdl, outputs in ((True, 8192, 0, False, triton_rms_norm.PLAIN),
-                                                (True, 512, 0, False, triton_rms_norm.PLAIN),
-                                                (False, 128, 0, False, triton_rms_norm.PLAIN),
-                                                (True, 8192, 0, True, triton_rms_norm.PLAIN),
-                                                (True, 8192, 4, False, triton_rms_norm.PLAIN),  # the final norm
-                                                (True, 8192, 4, True, triton_rms_norm.BOTH),  # attn_norm, ffn_norm
-                                                (True, 2048, 0, False, triton_rms_norm.ROUND_TRIP)):  # q_norm
+    for out_bf16, block_d, pdl, outputs in ((True, 8192, False, triton_rms_norm.PLAIN),
+                                            (True, 512, False, triton_rms_norm.PLAIN),
+                                            (False, 128, False, triton_rms_norm.PLAIN),
+                                            (True, 8192, True, triton_rms_norm.PLAIN),
+                                            (True, 2048, False, triton_rms_norm.ROUND_TRIP)):  # q_norm
         dtype = "*bf16" if out_bf16 else "*fp32"
-        check(f"rms_norm bf16={out_bf16} D<={block_d} collapse={hc} {norm_outputs[outputs]}",
-              triton_rms_norm._rms_norm_kernel,
-              {"x_ptr": dtype, "pre_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": dtype, "out2_ptr": dtype,
-               **scalars("D stride_x stride_h stride_p stride_o stride_o2"), "inv_d": "fp32", "eps": "fp32"},
-              {"BLOCK_D": block_d, "HC": hc, "OUT_BF16": out_bf16, "OUTPUTS": outputs, "INTERPRETED": False},
-              options={"num_warps": min(16, max(1, block_d // 512)), "enable_fp_fusion": False},  # the launcher's
+        check(f"rms_norm bf16={out_bf16} D<={block_d} {norm_outputs[outputs]}", triton_rms_norm._rms_norm_kernel,
+              {"x_ptr": dtype, "w_ptr": "*bf16", "out_ptr": dtype, "out2_ptr": dtype,
+               **scalars("D stride_x stride_o stride_o2"), "inv_d": "fp32", "eps": "fp32"},
+              {"BLOCK_D": block_d, "OUT_BF16": out_bf16, "OUTPUTS": outputs, "INTERPRETED": False},
+              options={"num_warps": triton_rms_norm.row_warps(block_d), "enable_fp_fusion": False},  # the launcher's
               wgmma=False, pdl=pdl, spill_free=True, prefetch=True)  # (the norm's weight)
+    for expand, pdl, outputs in ((False, False, triton_rms_norm.PLAIN), (False, True, triton_rms_norm.BOTH),
+                                 (True, False, triton_rms_norm.PLAIN), (True, True, triton_rms_norm.BOTH)):
+        check(f"sublayer_input D<=8192 hc=4 expand={expand} {norm_outputs[outputs]}",
+              triton_sublayer_input._sublayer_input_kernel,
+              {**{name: "*bf16" for name in ("stream_ptr", "output_ptr", "residual_ptr", "w_ptr", "out_ptr", "out2_ptr")},
+               **{name: "*fp32" for name in ("post_ptr", "comb_ptr", "pre_ptr")},
+               **scalars("D stride_st stride_sh stride_ot stride_rt stride_rh stride_p stride_o stride_o2"),
+               "inv_d": "fp32", "eps": "fp32"},
+              {"HC": 4, "BLOCK_D": 8192, "EXPAND": expand, "OUTPUTS": outputs, "INTERPRETED": False},
+              options={"num_warps": triton_rms_norm.row_warps(8192), "enable_fp_fusion": False},
+              wgmma=False, pdl=pdl, spill_free=True, prefetch=True)
     check("window_kv D=512 R=64", triton_window_kv._window_kv_kernel,
           {"x_ptr": "*bf16", "w_ptr": "*bf16", "pos_ptr": "*i64", "table_ptr": "*fp32", "out_ptr": "*bf16",
            **scalars("D stride_x stride_o stride_p"), "inv_d": "fp32", "eps": "fp32"},

@@ -25,24 +25,15 @@ BLOCK_D = 1024  # features per program
 
 
 @triton.jit
-def collapse_row(row_ptr, pre_ptr, stride_h, cols, mask, HC: tl.constexpr):
-    """One token's collapse at ``cols`` in fp32 (not yet rounded): its ``HC`` copies (``stride_h`` apart
-    from ``row_ptr``) times their ``pre`` weights, added in increasing order from zero. Fusion must be off
-    in the kernel that calls it (each product rounded, as torch does); ``triton_rms_norm`` norms it."""
-    acc = tl.zeros(cols.shape, dtype=tl.float32)
-    for j in tl.static_range(HC):
-        copy = tl.load(row_ptr + j * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
-        acc += tl.load(pre_ptr + j) * copy
-    return acc
-
-
-@triton.jit
 def _collapse_kernel(stream_ptr, pre_ptr, out_ptr, D, stride_st, stride_sh, stride_pt, stride_ot,
                      HC: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRETED: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = cols < D
-    acc = collapse_row(stream_ptr + t * stride_st, pre_ptr + t * stride_pt, stride_sh, cols, mask, HC)
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in tl.static_range(HC):
+        copy = tl.load(stream_ptr + t * stride_st + j * stride_sh + cols, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(pre_ptr + t * stride_pt + j) * copy
     tl.store(out_ptr + t * stride_ot + cols, to_bf16(acc, INTERPRETED), mask=mask)
 
 

@@ -9,11 +9,8 @@ rsqrt, two products and the cast back), ~8 calls per layer.
 (``quant.fp8_qdq`` of the bf16 result, exactly), computed from the row already in registers, so the
 products that read them skip the round trip's own launch (``KernelBackend.rms_norm``).
 
-``collapse_and_rms_norm(stream, pre, weight, eps)``: the rows to norm are mHC's collapse of the stream
-(``triton_mhc.collapse``: the copies weighted by ``pre`` and summed in fp32 in the same order, rounded to
-bf16), computed in the program that norms them. Every sub-layer's input and the final norm's are made
-this way, so the collapse's own launch goes (17 per step of the 8-layer V4.1-Flash config), and the
-results are the two launches' bits.
+The norm's arithmetic (``normed_row``, ``store_normed``) is shared with ``triton_sublayer_input``, which
+norms a sub-layer's input in the launch that collapses mHC's stream.
 
 Arithmetic: the twin's operations in its order, with fusion off. The mean's sum runs in another
 order than torch's reduction, and ``rsqrt`` is CUDA's ``rsqrtf`` (torch's on the GPU; numpy's in
@@ -31,7 +28,6 @@ from triton.language.extra import libdevice
 
 from .triton_common import INTERPRETED, fp8_round_trip_row, to_bf16
 from .triton_dependent_launch import launch_arguments, let_next_kernel_start, wait_for_previous_kernel
-from .triton_mhc import collapse_row
 
 
 # what the kernel writes: the normed rows, their FP8 round trip, or both (the round trip to ``out2``)
@@ -39,38 +35,48 @@ PLAIN, ROUND_TRIP, BOTH = 0, 1, 2
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, pre_ptr, w_ptr, out_ptr, out2_ptr, D, inv_d, stride_x, stride_h, stride_p, stride_o,
-                     stride_o2, eps, BLOCK_D: tl.constexpr, HC: tl.constexpr, OUT_BF16: tl.constexpr,
-                     OUTPUTS: tl.constexpr, PDL: tl.constexpr, INTERPRETED: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, out2_ptr, D, inv_d, stride_x, stride_o, stride_o2, eps,
+                     BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr, OUTPUTS: tl.constexpr, PDL: tl.constexpr,
+                     INTERPRETED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
     weight = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a model weight: before the wait
     wait_for_previous_kernel(PDL)
     let_next_kernel_start(PDL)  # (the next product then loads its first weights while this row is normed)
-    if HC == 0:
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    else:  # the row is the collapse of a stream's HC copies, ``triton_mhc.collapse``'s arithmetic in its order
-        x = to_bf16(collapse_row(x_ptr + row * stride_x, pre_ptr + row * stride_p, stride_h, cols, mask, HC),
-                    INTERPRETED).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    store_normed(normed_row(x, weight, inv_d, eps, INTERPRETED), out_ptr + row * stride_o, out2_ptr + row * stride_o2,
+                 cols, mask, BLOCK_D, OUT_BF16, OUTPUTS, INTERPRETED)
+
+
+@triton.jit
+def normed_row(x, weight, inv_d, eps, INTERPRETED: tl.constexpr):
+    """fp32 row ``x`` (zeros past D) RMSNormed, times the fp32 ``weight``, in fp32 (fusion off in the caller)."""
     mean = tl.sum(x * x, axis=0) * inv_d  # torch's CUDA mean multiplies by fp32(1 / D)
     if INTERPRETED:
         factor = 1.0 / tl.sqrt(mean + eps)
     else:
         factor = libdevice.rsqrt(mean + eps)
-    y = weight * (x * factor)
+    return weight * (x * factor)
+
+
+@triton.jit
+def store_normed(y, out_row, out2_row, cols, mask, BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr,
+                 OUTPUTS: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The normed row ``y`` (fp32) stored as ``OUTPUTS`` says: in fp32 (``OUT_BF16`` off), or rounded to
+    bf16, its FP8 round trip, or both (the round trip at ``out2_row``)."""
     if not OUT_BF16:
-        tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+        tl.store(out_row + cols, y, mask=mask)
     else:
         y = to_bf16(y, INTERPRETED)
         if OUTPUTS != 1:  # PLAIN or BOTH
-            tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+            tl.store(out_row + cols, y, mask=mask)
         if OUTPUTS != 0:  # ROUND_TRIP or BOTH (the columns past D are zeros: whole groups of their own, never stored)
             rounded = fp8_round_trip_row(y, BLOCK_D)
             if OUTPUTS == 1:
-                tl.store(out_ptr + row * stride_o + cols, rounded, mask=mask)
+                tl.store(out_row + cols, rounded, mask=mask)
             else:
-                tl.store(out2_ptr + row * stride_o2 + cols, rounded, mask=mask)
+                tl.store(out2_row + cols, rounded, mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False,
@@ -82,38 +88,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = Fals
     pair (normed rows, their round trip). The round trip takes bf16 rows, D a multiple of 32."""
     assert x.dtype in (torch.bfloat16, torch.float32), x.dtype
     d = x.shape[-1]
+    check_outputs(outputs, x.dtype, d)
     rows = x.reshape(-1, d)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = _launch(rows, None, weight, eps, pdl, outputs)
-    if outputs == BOTH:
-        return out[0].view(x.shape), out[1].view(x.shape)
-    return out.view(x.shape)
-
-
-def collapse_and_rms_norm(stream: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float,
-                          pdl: bool = False, outputs: int = PLAIN) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``rms_norm(triton_mhc.collapse(stream, pre), weight, eps, pdl, outputs)`` in one launch, with the same
-    bits: stream ``[T, hc, D]`` bf16, pre ``[T, hc]`` fp32 -> ``[T, D]`` bf16 (or the pair, ``BOTH``)."""
-    assert stream.dtype == torch.bfloat16 and stream.stride(-1) == 1, (stream.dtype, stream.stride())
-    return _launch(stream, pre.float(), weight, eps, pdl, outputs)
-
-
-def _launch(rows: torch.Tensor, pre: torch.Tensor | None, weight: torch.Tensor, eps: float, pdl: bool,
-            outputs: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The kernel over ``rows [T, D]``, or over the collapse of ``rows [T, hc, D]`` by ``pre`` -> ``[T, D]``."""
-    d = rows.shape[-1]
-    if outputs != PLAIN and (rows.dtype != torch.bfloat16 or d % 32):
-        raise ValueError(f"the FP8 round trip takes bf16 rows of a multiple of 32, got {rows.dtype} rows of {d}")
-    out = torch.empty(rows.shape[0], d, dtype=rows.dtype, device=rows.device)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     out2 = torch.empty_like(out) if outputs == BOTH else out
     if rows.shape[0]:
         block_d = triton.next_power_of_2(d)
-        hc, stride_h, pre, stride_p = (0, 0, rows, 0) if pre is None else (rows.shape[1], rows.stride(1), pre,
-                                                                           pre.stride(0))
         _rms_norm_kernel[(rows.shape[0],)](
-            rows, pre, weight, out, out2, d, 1.0 / d, rows.stride(0), stride_h, stride_p, out.stride(0),
-            out2.stride(0), float(eps), BLOCK_D=block_d, HC=hc, OUT_BF16=rows.dtype == torch.bfloat16,
-            OUTPUTS=outputs, INTERPRETED=INTERPRETED, num_warps=min(16, max(1, block_d // 512)),
-            enable_fp_fusion=False, **launch_arguments(pdl, rows.device))
-    return (out, out2) if outputs == BOTH else out
+            rows, weight, out, out2, d, 1.0 / d, rows.stride(0), out.stride(0), out2.stride(0), float(eps),
+            BLOCK_D=block_d, OUT_BF16=x.dtype == torch.bfloat16, OUTPUTS=outputs, INTERPRETED=INTERPRETED,
+            num_warps=row_warps(block_d), enable_fp_fusion=False, **launch_arguments(pdl, x.device))
+    if outputs == BOTH:
+        return out.view(x.shape), out2.view(x.shape)
+    return out.view(x.shape)
+
+
+def check_outputs(outputs: int, dtype: torch.dtype, d: int) -> None:
+    if outputs != PLAIN and (dtype != torch.bfloat16 or d % 32):
+        raise ValueError(f"the FP8 round trip takes bf16 rows of a multiple of 32, got {dtype} rows of {d}")
+
+
+def row_warps(block_d: int) -> int:
+    """Warps of a program that holds one row of ``block_d`` values: 16 values per thread, 1 to 16 warps."""
+    return min(16, max(1, block_d // 512))

@@ -1,10 +1,10 @@
-"""mHC's collapse and the RMSNorm after it in one launch (``triton_rms_norm.collapse_and_rms_norm``) against
-the two launches it replaces (``triton_mhc.collapse``, then ``triton_rms_norm.rms_norm``), each of which its
-own test holds against its twin.
+"""A sub-layer's input in one launch (``model/kernels/triton_sublayer_input.py``) against the launches it
+replaces (``triton_mhc.expand``, ``triton_mhc.collapse``, ``triton_rms_norm.rms_norm``), each of which its own
+test holds against its twin.
 
 Without a GPU the kernels run in Triton's interpreter (``conftest.py`` sets ``TRITON_INTERPRET``). The one
-launch does the collapse's arithmetic in its order and rounds it to bf16 before the norm, so the check is
-bit for bit.
+launch does each step's arithmetic in its order and rounds where the launches store, so the check is bit
+for bit.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from model.kernels import triton_mhc, triton_rms_norm  # noqa: E402
+from model.kernels import triton_mhc, triton_rms_norm, triton_sublayer_input  # noqa: E402
 from model.kernels.triton_backend import TritonKernels  # noqa: E402
 from tests.kernel_checks import device  # noqa: E402
 
@@ -39,9 +39,22 @@ def stream_inputs(t: int, hc: int, d: int, seed: int):
 def test_one_launch_gives_the_two_launches_bits(t, hc, d, outputs):
     stream, pre, weight = stream_inputs(t, hc, d, seed=t + hc + d)
     two = triton_rms_norm.rms_norm(triton_mhc.collapse(stream, pre), weight, EPS, outputs=outputs)
-    one = triton_rms_norm.collapse_and_rms_norm(stream, pre, weight, EPS, outputs=outputs)
+    one = triton_sublayer_input.sublayer_input(stream, pre, weight, EPS, outputs=outputs)
     for got, want in zip(one if outputs == triton_rms_norm.BOTH else (one,),
                          two if outputs == triton_rms_norm.BOTH else (two,), strict=True):
+        assert same_bits(got, want)
+
+    # the same after an expand: the stream it writes, and the input collapsed from it
+    gen = torch.Generator().manual_seed(t * d)
+    output = (torch.randn(t, d, generator=gen) * 4).bfloat16().to(device())
+    post = (2 * torch.rand(t, hc, generator=gen)).to(device())
+    comb = torch.softmax(torch.randn(t, hc, hc, generator=gen), dim=-1).to(device())
+    three = triton_mhc.expand(output, stream, post, comb)
+    expanded, *inputs = triton_sublayer_input.expand_and_sublayer_input(output, stream, post, comb, pre, weight, EPS,
+                                                                       outputs=outputs)
+    assert same_bits(expanded, three)
+    two = triton_rms_norm.rms_norm(triton_mhc.collapse(three, pre), weight, EPS, outputs=outputs)
+    for got, want in zip(inputs, two if outputs == triton_rms_norm.BOTH else (two,), strict=True):
         assert same_bits(got, want)
 
 
@@ -50,27 +63,35 @@ def test_a_strided_stream_and_the_batch():
     contiguous copy, and each row's result does not depend on the rows beside it."""
     wide, pre, weight = stream_inputs(9, 4, 640, seed=5)
     stream = wide[:, :, :512]  # rows 2,560 apart, copies 640 apart
-    got = triton_rms_norm.collapse_and_rms_norm(stream, pre, weight[:512], EPS)
-    assert same_bits(got, triton_rms_norm.collapse_and_rms_norm(stream.contiguous(), pre, weight[:512], EPS))
+    got = triton_sublayer_input.sublayer_input(stream, pre, weight[:512], EPS)
+    assert same_bits(got, triton_sublayer_input.sublayer_input(stream.contiguous(), pre, weight[:512], EPS))
     for chosen in (slice(0, 1), slice(4, 7), slice(8, 9)):
-        assert same_bits(triton_rms_norm.collapse_and_rms_norm(stream[chosen], pre[chosen], weight[:512], EPS),
+        assert same_bits(triton_sublayer_input.sublayer_input(stream[chosen], pre[chosen], weight[:512], EPS),
                          got[chosen])
 
 
 @pytest.mark.parametrize("batch_invariant,t", [(False, 2), (False, 12), (True, 2)])
 def test_the_backend_takes_the_one_launch(batch_invariant, t, monkeypatch):
-    """``TritonKernels`` makes a sub-layer's input (plain and FP8-ready rows) and the final norm's without the
-    collapse's launch, with the bits of the base class's composition (``hc_collapse``, then the norm)."""
+    """``TritonKernels`` makes a sub-layer's input (plain and FP8-ready rows, after an expand or not) and the
+    final norm's without the collapse's or the expand's launch, with the bits of the base class's composition."""
     from model.kernels.backend import KernelBackend
 
     stream, pre, weight = stream_inputs(t, 4, 256, seed=t)
+    output = stream[:, 1].clone()
+    post, comb = torch.ones_like(pre), torch.full((t, 4, 4), 0.25, device=device())
     kernels = TritonKernels(batch_invariant=batch_invariant)
     composed = KernelBackend.hc_collapse_and_norm_fp8_ready(kernels, stream, pre, weight, EPS)
     final = KernelBackend.hc_collapse_and_norm(kernels, stream, pre, weight, EPS)
-    collapses = []
-    real = kernels.hc_collapse
-    monkeypatch.setattr(kernels, "hc_collapse", lambda *args: collapses.append(1) or real(*args))
+    after_expand = KernelBackend.hc_expand_collapse_and_norm_fp8_ready(kernels, output, stream, post, comb, pre,
+                                                                       weight, EPS)
+    launches = []
+    for name in ("hc_collapse", "hc_expand", "rms_norm"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *args, real=real: launches.append(1) or real(*args))
     for got, want in zip(kernels.hc_collapse_and_norm_fp8_ready(stream, pre, weight, EPS), composed, strict=True):
         assert same_bits(got, want)
     assert same_bits(kernels.hc_collapse_and_norm(stream, pre, weight, EPS), final)
-    assert collapses == []
+    for got, want in zip(kernels.hc_expand_collapse_and_norm_fp8_ready(output, stream, post, comb, pre, weight, EPS),
+                         after_expand, strict=True):
+        assert same_bits(got, want)
+    assert launches == []
