@@ -256,11 +256,13 @@ def main() -> int:
             w_type = "*u8" if b_fmt == 0 else "*bf16"
             types = {**decode, "w_ptr": w_type, "s_ptr": w_type, "w2_ptr": w_type, "s2_ptr": w_type,
                      "out_ptr": "*fp32" if partial or out_f32 else "*bf16"}
+            element = 1 if b_fmt == 0 else 2
             check(f"decode_mm fmt={b_fmt} partial={partial} {cfg}", triton_decode_mm._decode_mm_kernel, types,
                   {"B_FMT": b_fmt, "BLOCK_T": block_t, "BLOCK_W": cfg.block_w, "BLOCK_K": cfg.block_k,
                    "EVEN_K": True, "SCALE_WORDS": b_fmt == 0, "PARTIAL": partial, "OUT_F32": out_f32,
+                   "LINE": 128 // element, "FETCH_LINES": triton_decode_mm.fetch_lines(cfg, element),
                    "EXACT_DOT": False}, cfg,
-                  aligned=decode_aligned, spill_free=True, inspect=copied_ahead)
+                  aligned=decode_aligned, spill_free=True, inspect=copied_ahead, pdl=partial, prefetch=True)
     def scales_copied_ahead(kernel) -> list[str]:  # the scale words too: 4-byte asynchronous copies
         return copied_ahead(kernel) + ([] if re.search(r"LDGSTS\.E\s", kernel.asm["sass"]) else
                                        ["the scale words are not copied ahead"])
@@ -276,8 +278,10 @@ def main() -> int:
             check(f"fp8_decode_mm tokens={block_t} partial={partial} scale_words={words} {fitted}",
                   triton_decode_mm._decode_mm_kernel, types,
                   {"B_FMT": 0, "BLOCK_T": block_t, "BLOCK_W": fitted.block_w, "BLOCK_K": fitted.block_k, "EVEN_K": True,
-                   "SCALE_WORDS": words, "PARTIAL": partial, "OUT_F32": False, "EXACT_DOT": False}, fitted,
-                  aligned=decode_aligned, spill_free=True, inspect=scales_copied_ahead if words else copied_ahead)
+                   "SCALE_WORDS": words, "PARTIAL": partial, "OUT_F32": False, "LINE": 128,
+                   "FETCH_LINES": triton_decode_mm.fetch_lines(fitted, 1), "EXACT_DOT": False}, fitted,
+                  aligned=decode_aligned, spill_free=True, inspect=scales_copied_ahead if words else copied_ahead,
+                  pdl=partial and words, prefetch=True)
     def streamed_by_tma(kernel) -> list[str]:
         return [] if "UTMALDG" in kernel.asm["sass"] else ["no tensor-memory-accelerator load"]
 
@@ -392,7 +396,7 @@ def main() -> int:
         check(f"sum_splits out_f32={out_f32} round_trip={round_trip}", triton_decode_mm._sum_splits_kernel,
               {"part_ptr": "*fp32", "out_ptr": "*fp32" if out_f32 else "*bf16", "numel": "i32"},
               {"SPLITS": 4, "OUT_F32": out_f32, "ROUND_TRIP": round_trip, "BLOCK": 1024, "EXACT_DOT": False},
-              wgmma=False, spill_free=True)
+              wgmma=False, spill_free=True, pdl=not out_f32)
 
     attention = triton_sparse_attention
     sizes = "H D L split_len stride_qt stride_qh stride_pool stride_it stride_vt stride_ot stride_oh"

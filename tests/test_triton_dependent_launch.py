@@ -38,11 +38,13 @@ def test_the_backend_passes_it_to_every_kernel_that_takes_it(monkeypatch):
     """Every method whose kernels take it, with and without: every launcher is asked for it exactly when
     the backend has it, and the outputs are the same bits (in the interpreter the kernels then run
     without it; on a GPU with it). One token's products and pairs, the grouped ``wo_a``, a few tokens'
-    products, RMSNorm, SwiGLU and the experts' chain on the tensor cores (with and without the pair sort)."""
+    products, the decode form's (a product, a pair, the grouped ``wo_a`` with its round trip), RMSNorm, a
+    sub-layer's input, SwiGLU and the experts' chain on the tensor cores (with and without the pair sort)."""
     pytest.importorskip("triton")
     from model.config import WeightFormat
-    from model.kernels import (ExpertWeights, tile_configs, triton_align_pairs, triton_gemv, triton_mma_experts,
-                               triton_mma_gemv, triton_moe_sum, triton_rms_norm, triton_scaled_mm)
+    from model.kernels import (ExpertWeights, tile_configs, triton_align_pairs, triton_decode_mm, triton_gemv,
+                               triton_mma_experts, triton_mma_gemv, triton_moe_sum, triton_rms_norm, triton_scaled_mm,
+                               triton_sublayer_input)
     from model.kernels.triton_backend import TritonKernels
     from tests.kernel_checks import device
     from tests.test_triton_kernels import random_weight
@@ -56,18 +58,24 @@ def test_the_backend_passes_it_to_every_kernel_that_takes_it(monkeypatch):
     experts = usual.prepare_experts(ExpertWeights(*(random_weight(WeightFormat.FP4, 128, 128, gen, experts=4)
                                                     for _ in range(3)), first_expert=0, swiglu_limit=7.0)).to(to)
     x = torch.randn(tile_configs.MMA_GEMV_MIN_TOKENS, 128, generator=gen).bfloat16().to(to)
+    decode_rows = torch.randn(tile_configs.MMA_GEMV_MAX_TOKENS + 4, 128, generator=gen).bfloat16().to(to)
+    stream = torch.randn(len(x), 4, 128, generator=gen).bfloat16().to(to)
+    mix = torch.rand(len(x), 4, generator=gen).to(to)
     norm = torch.randn(128, generator=gen).bfloat16().to(to)  # (a model weight: read before the wait)
     pairs = (torch.arange(2, device=to), torch.tensor([1, 3], device=to), torch.tensor([0.5, 0.25], device=to))
     sorted_pairs = (torch.arange(12, device=to) % 2, torch.arange(12, device=to) % 4,  # past the unsorted steps
                     torch.rand(12, generator=gen).to(to))
     calls = [lambda k: k.quantized_linear(x[:1], w), lambda k: k.quantized_linears(x[:1], [w, w2]),
              lambda k: k.grouped_dequantized_linear(x[:1].view(1, 2, 64), grouped),
-             lambda k: k.quantized_linear(x, w), lambda k: k.rms_norm(x, norm, 1e-6),
+             lambda k: k.quantized_linear(x, w), lambda k: k.quantized_linear(decode_rows, w),
+             lambda k: k.quantized_linears(decode_rows, [w, w2]),
+             lambda k: k.grouped_dequantized_linear(decode_rows.view(-1, 2, 64), grouped, fp8_ready=True),
+             lambda k: k.rms_norm(x, norm, 1e-6), lambda k: k.hc_collapse_and_norm(stream, mix, norm, 1e-6),
              lambda k: k.swiglu(x[:, :64], x[:, 64:], 7.0), lambda k: k.expert_outputs(x, *pairs, experts),
              lambda k: k.expert_outputs(x, *sorted_pairs, experts)]
     asked = []  # (launcher's module, whether it was asked for dependent launch)
-    launchers = (triton_gemv, triton_mma_gemv, triton_mma_experts, triton_scaled_mm, triton_align_pairs,
-                 triton_rms_norm, triton_moe_sum)
+    launchers = (triton_gemv, triton_mma_gemv, triton_decode_mm, triton_mma_experts, triton_scaled_mm,
+                 triton_align_pairs, triton_rms_norm, triton_sublayer_input, triton_moe_sum)
     for module in launchers:
         real = module.launch_arguments
         def recorded(pdl, device, module=module, real=real):
@@ -100,16 +108,12 @@ def _chain_outputs(kernels, x: torch.Tensor, weights) -> list[torch.Tensor]:
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("tokens", [1, 2, 3, 8])  # triton_gemv (one or two rows); triton_mma_gemv
-@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 12, 64])  # triton_gemv (one or two rows); triton_mma_gemv; the
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])  # decode form with its split sums
 def test_chained_products_give_the_same_bits_with_dependent_launch(tokens, graph):
     from benchmarks.kernel_inputs import fp8_weight  # outputs of about the inputs' magnitude
-    from model.kernels import tile_configs, triton_gemv
     from model.kernels.triton_backend import TritonKernels
 
-    if not tile_configs.MMA_GEMV_MIN_TOKENS <= tokens <= tile_configs.MMA_GEMV_MAX_TOKENS \
-            and tokens > triton_gemv.MAX_TOKENS:
-        pytest.skip("neither matrix-vector kernel takes this many tokens")
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     # wide and narrow products, K split many ways (the split counters) and not at all
     sizes = [5120, 512, 5120, 1280, 8192, 5120, 2304, 5120]

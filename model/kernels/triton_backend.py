@@ -69,9 +69,10 @@ class TritonKernels(KernelBackend):
     per-query copy, and its top-k is a threshold search (``triton_top_entries``) instead of two sorts;
     Engram's n-gram hashing is one launch (``triton_ngram_hash``) instead of ~45.
 
-    ``pdl``: the matrix-vector products, the tensor-core experts' chain and the RMSNorm and SwiGLU
-    launched before products start while the kernel before them finishes (programmatic dependent launch,
-    ``triton_dependent_launch``; Hopper and later)."""
+    ``pdl``: the matrix-vector products, the decode form's FP8 products, ``wo_a`` and their split sums, the
+    tensor-core experts' chain and the RMSNorm, sub-layer input and SwiGLU launched before products start
+    while the kernel before them finishes (programmatic dependent launch, ``triton_dependent_launch``;
+    Hopper and later)."""
 
     name = "triton"
 
@@ -114,7 +115,7 @@ class TritonKernels(KernelBackend):
         if gemv is not None:
             out = gemv(rows, [(weight.values, weight.scales)], quantize=True, pdl=self.pdl)
         elif weight.fmt is WeightFormat.FP8 and self._decode_form(rows.shape[0], fp8=True):
-            out = fp8_decode_mm(rows, [(weight.values, weight.scales)], rounded=rounded)
+            out = fp8_decode_mm(rows, [(weight.values, weight.scales)], rounded=rounded, pdl=self.pdl)
         elif weight.fmt is WeightFormat.FP8:  # the faster kernel for FP8 (triton_bf16_mm's docstring)
             out = bf16_mm(rows if rounded else act_quant_bf16(rows), weight.values, weight.scales, weight.fmt)
         else:  # (rounded rows quantize to the same products: the round trip is idempotent)
@@ -135,7 +136,7 @@ class TritonKernels(KernelBackend):
         if gemv is not None:
             out = gemv(rows, pair, quantize=True, pdl=self.pdl)
         elif self._decode_form(rows.shape[0], fp8=True):
-            out = fp8_decode_mm(rows, pair, rounded=prepared and self._rounds_apart(rows.shape[0]))
+            out = fp8_decode_mm(rows, pair, rounded=prepared and self._rounds_apart(rows.shape[0]), pdl=self.pdl)
         else:
             return super().quantized_linears(x, weights, prepared)
         first = weights[0].out_features
@@ -155,7 +156,7 @@ class TritonKernels(KernelBackend):
             return out.view(t, groups, -1)
         if self._decode_form(t):  # the round trip where its splits are added
             out = decode_mm(x.reshape(t, groups * k), weight.values, weight.scales, weight.fmt, groups=groups,
-                            round_trip=round_trip)
+                            round_trip=round_trip, pdl=self.pdl)
         else:
             out = bf16_mm(x.reshape(t, groups * k), weight.values, weight.scales, weight.fmt, groups=groups)
             out = act_quant_bf16(out) if round_trip else out

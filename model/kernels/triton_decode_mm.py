@@ -59,6 +59,7 @@ import triton.language as tl
 from ..config import WeightFormat
 from .tile_configs import DecodeConfig, decode_mm_config, fp8_decode_config
 from .triton_common import INTERPRETED, fp8_round_trip_row, sm_count, to_bf16
+from .triton_dependent_launch import fetch_into_l2, launch_arguments, let_next_kernel_start, wait_for_previous_kernel
 from .triton_scaled_mm import act_quant_bf16
 from .triton_weight_tiles import FORMAT_CODES, row_exponents, scale_words, scaled_rows
 
@@ -72,7 +73,8 @@ def _decode_mm_kernel(a_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, M, N, N2, K,
                       stride_am, stride_ag, stride_wn, stride_wg, stride_sn, stride_sg, stride_os, stride_om,
                       B_FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
                       BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SCALE_WORDS: tl.constexpr, PARTIAL: tl.constexpr,
-                      OUT_F32: tl.constexpr, EXACT_DOT: tl.constexpr):
+                      OUT_F32: tl.constexpr, LINE: tl.constexpr, FETCH_LINES: tl.constexpr, PDL: tl.constexpr,
+                      EXACT_DOT: tl.constexpr):
     pid_w, split, group = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # the first weight's row tiles (of this group), then the second's, whose outputs follow the first's
     tiles = tl.cdiv(N, BLOCK_W)
@@ -85,6 +87,11 @@ def _decode_mm_kernel(a_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, M, N, N2, K,
     a_ptr += group * stride_ag
     acc = tl.zeros((BLOCK_W, BLOCK_T), dtype=tl.float32)
     k_begin = split * k_per_split
+    # with PDL: the first steps' weight fetched into L2 while the previous kernel finishes (no kernel of a step
+    # writes a weight), then the wait (the activation and the outputs may be the previous kernel's)
+    _fetch_first_lines(weights, offs_w, n, k_begin, tl.minimum(k_begin + k_per_split, K), stride_wn, LINE,
+                       FETCH_LINES, PDL)
+    wait_for_previous_kernel(PDL)
     # the last split may reach past K: its loop stops there, so with EVEN_K every step is whole and its
     # loads need no column mask (one would cut them into single bytes the compiler cannot stream ahead)
     for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), BLOCK_K):
@@ -98,6 +105,7 @@ def _decode_mm_kernel(a_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, M, N, N2, K,
             acc = tl.dot(w.to(tl.float32), tl.trans(a).to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(w, tl.trans(a), acc)
+    let_next_kernel_start(PDL)  # (its programs then fetch their first weights while this one stores)
     cols = first_col + offs_w  # the output's columns: groups (or the two weights) side by side
     mask = (offs_t[None, :] < M) & (offs_w[:, None] < n)
     out_ptr += split * stride_os + offs_t[None, :] * stride_om + cols[:, None]
@@ -108,8 +116,22 @@ def _decode_mm_kernel(a_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, M, N, N2, K,
 
 
 @triton.jit
+def _fetch_first_lines(weights, offs_w, n, k_begin, k_end, stride_wn, LINE: tl.constexpr, FETCH_LINES: tl.constexpr,
+                       PDL: tl.constexpr):
+    """With PDL, the first ``FETCH_LINES`` 128-byte lines (``LINE`` elements each) of the program's weight rows
+    in its split fetched into L2 (rows past ``n`` and columns past the split's end clamped in)."""
+    if PDL:
+        lines = tl.arange(0, FETCH_LINES)
+        cols = tl.minimum(k_begin + lines * LINE, k_end - 1)
+        rows = tl.minimum(offs_w, n - 1)
+        fetch_into_l2(weights + rows[:, None].to(tl.int64) * stride_wn + cols[None, :], PDL)
+
+
+@triton.jit
 def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLITS: tl.constexpr, OUT_F32: tl.constexpr, ROUND_TRIP: tl.constexpr,
-                       BLOCK: tl.constexpr, EXACT_DOT: tl.constexpr):
+                       BLOCK: tl.constexpr, PDL: tl.constexpr, EXACT_DOT: tl.constexpr):
+    wait_for_previous_kernel(PDL)
+    let_next_kernel_start(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     total = tl.load(part_ptr + offs, mask=mask, other=0.0)
@@ -135,6 +157,15 @@ def fit_shared_memory(cfg: DecodeConfig, weight_bytes: int, block_t: int) -> Dec
     return cfg
 
 
+LINE_BYTES = 128  # a cache line
+
+
+def fetch_lines(cfg: DecodeConfig, element_bytes: int) -> int:
+    """Lines per weight row that a program fetches into L2 before its wait (with PDL): what the pipeline's
+    first ``num_stages - 1`` steps read, a power of two."""
+    return triton.next_power_of_2(max(1, (cfg.num_stages - 1) * cfg.block_k * element_bytes // LINE_BYTES))
+
+
 def split_count(cfg: DecodeConfig, n: int, k: int, groups: int, sms: int) -> tuple[int, int]:
     """(splits, K columns per split): enough programs for ``cfg.programs_per_sm`` per SM (with
     ``cfg.one_wave``: as many splits as keep them within that many), each split a whole number of
@@ -147,11 +178,12 @@ def split_count(cfg: DecodeConfig, n: int, k: int, groups: int, sms: int) -> tup
     return triton.cdiv(steps, steps_per_split), steps_per_split * cfg.block_k
 
 
-def _sum_splits(partials: torch.Tensor, out: torch.Tensor, round_trip: bool) -> torch.Tensor:
+def _sum_splits(partials: torch.Tensor, out: torch.Tensor, round_trip: bool, pdl: bool) -> torch.Tensor:
     numel, block = out.numel(), 1024
     _sum_splits_kernel[(triton.cdiv(numel, block),)](partials, out, numel, SPLITS=partials.shape[0],
                                                      OUT_F32=out.dtype == torch.float32, ROUND_TRIP=round_trip,
-                                                     BLOCK=block, EXACT_DOT=INTERPRETED, num_warps=4)
+                                                     BLOCK=block, EXACT_DOT=INTERPRETED, num_warps=4,
+                                                     **launch_arguments(pdl, out.device))
     return out
 
 
@@ -161,29 +193,34 @@ def _check_rows(m: int) -> None:
 
 
 def fp8_decode_mm(a: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                  rounded: bool = False) -> torch.Tensor:
+                  rounded: bool = False, pdl: bool = False) -> torch.Tensor:
     """``a [M, K]`` bf16 (M <= ``MAX_TOKENS``, K a multiple of 32) through its FP8 round trip per 32,
     times one or two FP8 weights ``(values [N, K], scales [N/32, K/32])`` (UE8M0 scales) -> ``[M, N (+ N2)]``
     bf16, the second weight's outputs after the first's: two projections of one input in one launch.
-    ``rounded``: ``a`` is that round trip already (its producer computed it), so no launch rounds it."""
+    ``rounded``: ``a`` is that round trip already (its producer computed it), so no launch rounds it;
+    ``pdl``: the product and its split sums by programmatic dependent launch (``decode_mm``)."""
     m, k = a.shape
     _check_rows(m)
     if k % 32:
         raise ValueError(f"FP8 linears take K a multiple of 32, got {k}")
     (values, scales), second = weights[0], weights[1:]
-    return decode_mm(a if rounded else act_quant_bf16(a.contiguous()), values, scales, WeightFormat.FP8,
-                     cfg=fp8_decode_config(m), second=second[0] if second else None)
+    return decode_mm(a if rounded else act_quant_bf16(a.contiguous(), pdl=pdl), values, scales, WeightFormat.FP8,
+                     cfg=fp8_decode_config(m), second=second[0] if second else None, pdl=pdl)
 
 
 def decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None, fmt: WeightFormat,
               groups: int = 1, out_dtype: torch.dtype = torch.bfloat16, cfg: DecodeConfig | None = None,
-              second: tuple[torch.Tensor, torch.Tensor | None] | None = None, round_trip: bool = False) -> torch.Tensor:
+              second: tuple[torch.Tensor, torch.Tensor | None] | None = None, round_trip: bool = False,
+              pdl: bool = False) -> torch.Tensor:
     """``a [M, G*K]`` bf16 (M <= ``MAX_TOKENS``; group g reads columns g*K..) times ``W [G*N, K]``
     (FP8 expanded with its scales, or BF16 with ``scales`` None) -> ``[M, G*N]`` in ``out_dtype``;
     ``cfg``: the config (default: ``decode_mm_config``'s); ``second``: a second weight ``(values [N2, K],
     scales)`` of the same format times the same ``a`` (one group), its outputs in columns N..N+N2;
     ``round_trip``: the bf16 output's FP8 round trip per 32 instead (rows of a multiple of 32), taken
-    where the splits are added (one split: a launch of its own)."""
+    where the splits are added (one split: a launch of its own). ``pdl``: programmatic dependent launch where
+    the GPU has it (``triton_dependent_launch``): each program fetches its first steps' weight into L2
+    before it waits for the previous kernel, and lets the next start once its weight is streamed; the
+    split sums wait first."""
     m = a.shape[0]
     k = a.shape[1] // groups
     n = values.shape[0] // groups
@@ -220,11 +257,12 @@ def decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None
         m * width if partial else 0, width,
         B_FMT=FORMAT_CODES[fmt], BLOCK_T=block_t, BLOCK_W=cfg.block_w, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, SCALE_WORDS=words, PARTIAL=partial, OUT_F32=out_dtype == torch.float32,
+        LINE=LINE_BYTES // values.element_size(), FETCH_LINES=fetch_lines(cfg, values.element_size()),
         EXACT_DOT=INTERPRETED,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_arguments(pdl, a.device))
     if partial:
-        return _sum_splits(target, out, round_trip)
-    return act_quant_bf16(out) if round_trip else out
+        return _sum_splits(target, out, round_trip, pdl)
+    return act_quant_bf16(out, pdl=pdl) if round_trip else out
 
 
 def _pair_operands(values: torch.Tensor, scales: torch.Tensor | None, second: tuple[torch.Tensor, torch.Tensor | None],
