@@ -98,7 +98,8 @@ def test_fp8_ready_rows_give_every_product_the_same_bits(m, batch_invariant, mon
 
     round_trips = []  # the decode form's own round trips of its input
     real = triton_decode_mm.act_quant_bf16
-    monkeypatch.setattr(triton_decode_mm, "act_quant_bf16", lambda a: round_trips.append(a.shape) or real(a))
+    monkeypatch.setattr(triton_decode_mm, "act_quant_bf16",
+                        lambda a, **options: round_trips.append(a.shape) or real(a, **options))
 
     def prepared(product):  # a product of FP8-ready rows: no round trip of its input where the rows are one
         before = len(round_trips)
@@ -149,6 +150,7 @@ def test_producers_leave_the_rows_plain_when_switched_off(monkeypatch):
     weight = random_weight(WeightFormat.FP8, 96, 256, gen).to(device())
     round_trips = []
     real = triton_decode_mm.act_quant_bf16
-    monkeypatch.setattr(triton_decode_mm, "act_quant_bf16", lambda a: round_trips.append(a.shape) or real(a))
+    monkeypatch.setattr(triton_decode_mm, "act_quant_bf16",
+                        lambda a, **options: round_trips.append(a.shape) or real(a, **options))
     kernels.quantized_linear(ready, weight, prepared=True)
     assert round_trips == [(12, 256)]
