@@ -31,6 +31,7 @@ import triton.language as tl
 
 from .triton_common import INTERPRETED, to_bf16
 from .triton_dependent_launch import launch_arguments, let_next_kernel_start, wait_for_previous_kernel
+from .triton_mhc import store_expanded
 from .triton_rms_norm import BOTH, PLAIN, check_outputs, normed_row, row_warps, store_normed
 
 
@@ -46,15 +47,9 @@ def _sublayer_input_kernel(stream_ptr, output_ptr, residual_ptr, post_ptr, comb_
     wait_for_previous_kernel(PDL)
     let_next_kernel_start(PDL)
     if EXPAND:  # the new stream (triton_mhc.expand's arithmetic), written, then read back by the collapse
-        k = tl.arange(0, HC)
-        acc = tl.zeros((HC, BLOCK_D), dtype=tl.float32)
-        for j in tl.static_range(HC):  # y[k] += comb[j, k] * residual[j]
-            copy = tl.load(residual_ptr + t * stride_rt + j * stride_rh + cols, mask=mask, other=0.0).to(tl.float32)
-            acc += tl.load(comb_ptr + t * (HC * HC) + j * HC + k)[:, None] * copy[None, :]
-        output = tl.load(output_ptr + t * stride_ot + cols, mask=mask, other=0.0).to(tl.float32)
-        y = tl.load(post_ptr + t * HC + k)[:, None] * output[None, :] + acc
-        tl.store(stream_ptr + t * stride_st + k[:, None] * stride_sh + cols[None, :], to_bf16(y, INTERPRETED),
-                 mask=mask[None, :])
+        store_expanded(output_ptr + t * stride_ot, residual_ptr + t * stride_rt, post_ptr + t * HC,
+                       comb_ptr + t * (HC * HC), stream_ptr + t * stride_st, stride_rh, stride_sh, cols, mask, HC,
+                       INTERPRETED)
         tl.debug_barrier()  # every thread's part of the stream stored before any thread reads it back
     x = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for k in tl.static_range(HC):  # triton_mhc.collapse
