@@ -497,7 +497,8 @@ def main() -> int:
                **{name: "*fp32" for name in ("post_ptr", "comb_ptr", "pre_ptr")},
                **scalars("D stride_st stride_sh stride_ot stride_rt stride_rh stride_p stride_o stride_o2"),
                "inv_d": "fp32", "eps": "fp32"},
-              {"HC": 4, "BLOCK_D": 8192, "EXPAND": expand, "OUTPUTS": outputs, "INTERPRETED": False},
+              {"HC": 4, "BLOCK_D": 8192, "EXPAND": expand, "CHUNK": triton_sublayer_input.EXPAND_CHUNK,
+               "OUTPUTS": outputs, "INTERPRETED": False},
               options={"num_warps": triton_rms_norm.row_warps(8192), "enable_fp_fusion": False},
               wgmma=False, pdl=pdl, spill_free=True, prefetch=True)
     check("window_kv D=512 R=64", triton_window_kv._window_kv_kernel,

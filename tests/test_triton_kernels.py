@@ -205,7 +205,7 @@ def test_tiny_model_with_triton_kernels_matches_reference(tiny_checkpoint, monke
     fp8_ready = []  # per FP8 product of the prefill (the decode form): whether its rows came rounded
     real_decode = triton_backend.fp8_decode_mm
     monkeypatch.setattr(triton_backend, "fp8_decode_mm",
-                        lambda a, ws, rounded=False: fp8_ready.append(rounded) or real_decode(a, ws, rounded=rounded))
+                        lambda a, ws, rounded=False, **kw: fp8_ready.append(rounded) or real_decode(a, ws, rounded, **kw))
     logits = {}
     for kernels in ("reference", "triton"):
         model = load_model(tiny_checkpoint, ModelOptions(batch_invariant=False, kernels=kernels), device())

@@ -17,7 +17,7 @@ bf16 and stored; the collapse reads the stream back (after a barrier: other thre
 ``pre[k] * copy[k]`` from zero in increasing ``k`` and rounds to bf16; the norm is ``triton_rms_norm``'s
 (``normed_row``, ``store_normed``). So the rows are the separate launches' bits (tested), and each token is
 computed alone: nothing depends on the batch. The whole row (V4.1-Flash: 4 copies of 5,120) is one
-program's, 16 values per thread and copy.
+program's, 16 values per thread and copy (the expand ``EXPAND_CHUNK`` columns at a time).
 
 Layouts: stream and residual ``[T, hc, D]`` bf16 with ``D`` contiguous; output ``[T, D]`` bf16; pre, post
 ``[T, hc]`` and comb ``[T, hc, hc]`` fp32; outputs ``[T, D]`` bf16 (and the new stream ``[T, hc, D]``).
@@ -35,11 +35,14 @@ from .triton_mhc import store_expanded
 from .triton_rms_norm import BOTH, PLAIN, check_outputs, normed_row, row_warps, store_normed
 
 
+EXPAND_CHUNK = 1024  # the expand's columns at a time: its hc copies of them in fp32 fit in registers
+
+
 @triton.jit
 def _sublayer_input_kernel(stream_ptr, output_ptr, residual_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, out_ptr, out2_ptr,
                            D, inv_d, stride_st, stride_sh, stride_ot, stride_rt, stride_rh, stride_p, stride_o,
                            stride_o2, eps, HC: tl.constexpr, BLOCK_D: tl.constexpr, EXPAND: tl.constexpr,
-                           OUTPUTS: tl.constexpr, PDL: tl.constexpr, INTERPRETED: tl.constexpr):
+                           CHUNK: tl.constexpr, OUTPUTS: tl.constexpr, PDL: tl.constexpr, INTERPRETED: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -47,9 +50,11 @@ def _sublayer_input_kernel(stream_ptr, output_ptr, residual_ptr, post_ptr, comb_
     wait_for_previous_kernel(PDL)
     let_next_kernel_start(PDL)
     if EXPAND:  # the new stream (triton_mhc.expand's arithmetic), written, then read back by the collapse
-        store_expanded(output_ptr + t * stride_ot, residual_ptr + t * stride_rt, post_ptr + t * HC,
-                       comb_ptr + t * (HC * HC), stream_ptr + t * stride_st, stride_rh, stride_sh, cols, mask, HC,
-                       INTERPRETED)
+        for chunk in tl.static_range(BLOCK_D // CHUNK):
+            chunk_cols = chunk * CHUNK + tl.arange(0, CHUNK)
+            store_expanded(output_ptr + t * stride_ot, residual_ptr + t * stride_rt, post_ptr + t * HC,
+                           comb_ptr + t * (HC * HC), stream_ptr + t * stride_st, stride_rh, stride_sh, chunk_cols,
+                           chunk_cols < D, HC, INTERPRETED)
         tl.debug_barrier()  # every thread's part of the stream stored before any thread reads it back
     x = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for k in tl.static_range(HC):  # triton_mhc.collapse
@@ -95,7 +100,8 @@ def _launch(stream: torch.Tensor, expand: tuple[torch.Tensor, ...] | None, pre: 
         _sublayer_input_kernel[(t,)](
             stream, output, residual, post, comb, pre, weight, out, out2, d, 1.0 / d, stream.stride(0),
             stream.stride(1), output.stride(0), residual.stride(0), residual.stride(1), pre.stride(0), out.stride(0),
-            out2.stride(0), float(eps), HC=hc, BLOCK_D=block_d, EXPAND=expand is not None, OUTPUTS=outputs,
+            out2.stride(0), float(eps), HC=hc, BLOCK_D=block_d, EXPAND=expand is not None,
+            CHUNK=min(block_d, EXPAND_CHUNK), OUTPUTS=outputs,
             INTERPRETED=INTERPRETED, num_warps=row_warps(block_d), enable_fp_fusion=False,
             **launch_arguments(pdl, stream.device))
     return (out, out2) if outputs == BOTH else out
