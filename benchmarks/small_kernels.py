@@ -10,16 +10,14 @@ the script stops. Each time is per call, the median of CUDA-graph replays of ``-
 rotating inputs, next to the bytes the call moves at the copy bandwidth measured in the same run.
 
 * mHC's coefficients (``triton_hc_coefficients``: the partial sums' pipeline depth with one block of
-  tokens, ``STAGES_ONE_BLOCK``; the Sinkhorn in the last slice's program up to ``SINKHORN_IN_LAST_SLICE``
-  tokens, against its own launch, ``triton_sinkhorn``, at 0), twice per layer;
+  tokens, ``STAGES_ONE_BLOCK``; then ``triton_sinkhorn``), twice per layer;
 * the FP4 round trips (``triton_fp4_round_trip.BLOCK_ELEMENTS``, values per program): the indexer's
   queries ``[T, 32, 128]`` in groups of 32 with power-of-two scales, and compressed KV rows ``[T, 512]``
   in groups of 16 with E4M3 scales;
 * the window's KV rows (``TritonKernels.window_kv``: RMSNorm, RoPE and the FP8 round trip in one launch,
   against the three launches it replaces, with the same bits);
 * a sub-layer's input (``TritonKernels.hc_collapse_and_norm_fp8_ready``: mHC's collapse and the RMSNorm in one
-  launch, against the two launches it replaces), and the FFN's, with the attention's expand before them
-  (``hc_expand_collapse_and_norm_fp8_ready``, against three launches).
+  launch, against the two launches it replaces).
 
 Prints one line per (kernel, tokens, setting) and a markdown table at the end.
 """
@@ -106,22 +104,14 @@ def cases(tokens: int, device: torch.device, sets: int, gen: torch.Generator):
     pres = [torch.rand(tokens, HC, device=device, generator=gen) for _ in range(sets)]
     hidden_norm = (torch.rand(HIDDEN, device=device, generator=gen) + 0.5).bfloat16()
 
-    outputs = [torch.randn(tokens, HIDDEN, device=device, generator=gen).bfloat16() for _ in range(sets)]
-    posts = [2 * torch.rand(tokens, HC, device=device, generator=gen) for _ in range(sets)]
-    combs = [torch.softmax(torch.randn(tokens, HC, HC, device=device, generator=gen), -1) for _ in range(sets)]
 
     def sublayer_input(backend: type[KernelBackend]):
         return lambda i: backend.hc_collapse_and_norm_fp8_ready(kernels, streams[i], pres[i], hidden_norm, 1e-6)
 
-    def ffn_input(backend: type[KernelBackend]):
-        return lambda i: backend.hc_expand_collapse_and_norm_fp8_ready(kernels, outputs[i], streams[i], posts[i],
-                                                                       combs[i], pres[i], hidden_norm, 1e-6)
-
     blocks = (512, 1024, 2048, 4096)
     return [
         ("mHC coefficients", tokens * HC * HIDDEN * 2 + fn.numel() * 4,
-         settings(triton_hc_coefficients, "STAGES_ONE_BLOCK", (2, 3, 4, 8), mhc)
-         + settings(triton_hc_coefficients, "SINKHORN_IN_LAST_SLICE", (0,), mhc)[1:]),
+         settings(triton_hc_coefficients, "STAGES_ONE_BLOCK", (2, 3, 4, 8), mhc)),
         ("FP4 round trip, index queries", 4 * queries[0].numel(),
          settings(triton_fp4_round_trip, "BLOCK_ELEMENTS", blocks, index_queries)),
         ("FP4 round trip, compressed KV", 4 * kv[0].numel(),
@@ -133,9 +123,6 @@ def cases(tokens: int, device: torch.device, sets: int, gen: torch.Generator):
         ("sub-layer input (mHC collapse, RMSNorm, FP8-ready rows)", tokens * HC * HIDDEN * 2 + 4 * tokens * HIDDEN, [
             ("one launch (now)", sublayer_input(TritonKernels)),
             ("collapse, then the norm", sublayer_input(KernelBackend))]),
-        ("FFN input (mHC expand, collapse, RMSNorm, FP8-ready rows)", tokens * HC * HIDDEN * 4 + 6 * tokens * HIDDEN, [
-            ("one launch (now)", ffn_input(TritonKernels)),
-            ("expand, collapse, then the norm", ffn_input(KernelBackend))]),
     ]
 
 

@@ -8,7 +8,6 @@ passed per-sequence state (``cache.py``) and returns the final hidden state of e
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -70,40 +69,23 @@ class Block:
             self.engram.to(device)
         return self
 
-    def __call__(self, incoming: "torch.Tensor | PendingExpand", pre_mix: torch.Tensor, batch: ForwardBatch,
-                 cache: V41Cache, state: ForwardState) -> tuple["PendingExpand", torch.Tensor]:
-        """``incoming``: the stream [T, hc, D], or the previous block's FFN output still to be expanded into
-        it; ``pre_mix`` collapses it for this attention (computed by the previous FFN). Returns this block's
-        FFN output to be expanded into the stream, and the mix the next block's attention collapses with."""
+    def __call__(self, stream: torch.Tensor, pre_mix: torch.Tensor, batch: ForwardBatch, cache: V41Cache,
+                 state: ForwardState) -> tuple[torch.Tensor, torch.Tensor]:
+        """stream [T, hc, D]; ``pre_mix`` collapses it for this attention (computed by the previous
+        FFN). Returns the new stream and the mix the next block's attention collapses with."""
         eps = self.cfg.rms_norm_eps
-        # the stream, and from it the attention's input: normed rows, and the same as the FP8 linears take
-        # them (model/kernels/backend.py: FP8-ready rows)
-        if isinstance(incoming, PendingExpand):
-            stream, x, x_fp8 = self.kernels.hc_expand_collapse_and_norm_fp8_ready(*incoming, pre_mix, self.attn_norm,
-                                                                                 eps)
-        else:
-            stream = incoming
-            x, x_fp8 = self.kernels.hc_collapse_and_norm_fp8_ready(stream, pre_mix, self.attn_norm, eps)
         residual = stream
         attn_pre, attn_post, attn_comb = self.attn_hc.coefficients(stream)
-        # the stream after the attention, and from it the FFN's input: collapsed by the attention's pre-mix
-        # (mHC's pre-mix is delayed by one sub-layer)
-        stream, x, x_fp8 = self.kernels.hc_expand_collapse_and_norm_fp8_ready(
-            self.attention(x, x_fp8, batch, cache, state), residual, attn_post, attn_comb, attn_pre, self.ffn_norm, eps)
+        # the normed rows, and the same as the FP8 linears take them (model/kernels/backend.py: FP8-ready rows)
+        x, x_fp8 = self.kernels.hc_collapse_and_norm_fp8_ready(stream, pre_mix, self.attn_norm, eps)
+        stream = self.kernels.hc_expand(self.attention(x, x_fp8, batch, cache, state), residual, attn_post, attn_comb)
 
+        residual = stream
         ffn_pre, ffn_post, ffn_comb = self.ffn_hc.coefficients(stream)
-        return PendingExpand(self.moe(x, x_fp8), stream, ffn_post, ffn_comb), ffn_pre
-
-
-class PendingExpand(NamedTuple):
-    """A sub-layer's output not yet spread over mHC's stream: ``KernelBackend.hc_expand``'s arguments. The
-    next block expands it in the launch that makes its attention's input
-    (``hc_expand_collapse_and_norm_fp8_ready``) instead of a launch of its own."""
-
-    output: torch.Tensor
-    residual: torch.Tensor
-    post: torch.Tensor
-    comb: torch.Tensor
+        # (collapsed by the attention's pre-mix: mHC's pre-mix is delayed by one sub-layer)
+        x, x_fp8 = self.kernels.hc_collapse_and_norm_fp8_ready(stream, attn_pre, self.ffn_norm, eps)
+        stream = self.kernels.hc_expand(self.moe(x, x_fp8), residual, ffn_post, ffn_comb)
+        return stream, ffn_pre
 
 
 class V41Model:
@@ -136,16 +118,12 @@ class V41Model:
         state = state if state is not None else ForwardState()
         state.index_key_layer = self._index_key_layers(batch)
         state.shared = {}  # a state passed in again must not hand this forward the last one's lists
-        incoming: torch.Tensor | PendingExpand = stream
         for block in self.blocks:
             if block.engram is not None:
                 column = cfg.engram_layer_ids.index(block.layer_id)
-                incoming = block.engram(self._expanded(incoming), hash_ids[:, column])
-            incoming, pre_mix = block(incoming, pre_mix, batch, cache, state)
-        return self.kernels.hc_collapse_and_norm(self._expanded(incoming), pre_mix, self.final_norm, cfg.rms_norm_eps)
-
-    def _expanded(self, incoming: torch.Tensor | PendingExpand) -> torch.Tensor:
-        return self.kernels.hc_expand(*incoming) if isinstance(incoming, PendingExpand) else incoming
+                stream = block.engram(stream, hash_ids[:, column])
+            stream, pre_mix = block(stream, pre_mix, batch, cache, state)
+        return self.kernels.hc_collapse_and_norm(stream, pre_mix, self.final_norm, cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

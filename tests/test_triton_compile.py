@@ -458,19 +458,6 @@ def main() -> int:
           {"MIXES": 24, "COLS": triton_hc_coefficients.PARTIAL_COLS, "BLOCK_T": triton_hc_coefficients.BLOCK_T,
            "BLOCK_K": triton_hc_coefficients.BLOCK_K, "SPLIT_K": triton_hc_coefficients.SPLIT_K,
            "INTERPRETED": False}, spill_free=True)
-    sinkhorn_t = triton_hc_coefficients.SINKHORN_IN_LAST_SLICE
-    check(f"hc coefficients with the Sinkhorn in the last slice, {sinkhorn_t} tokens",
-          triton_hc_coefficients._coefficients_kernel,
-          {"x_ptr": "*bf16", "fn_ptr": "*fp32", "part_ptr": "*fp32", "counter_ptr": "*i32",
-           **{name: "*fp32" for name in ("scale_ptr", "base_ptr", "pre_ptr", "post_ptr", "comb_ptr")},
-           **scalars("T K stride_x stride_fn stride_pt iters"), "eps": "fp32", "norm_eps": "fp32"},
-          {"HC": 4, "COLS": triton_hc_coefficients.PARTIAL_COLS, "BLOCK_T": triton_hc_coefficients.BLOCK_T,
-           "BLOCK_K": triton_hc_coefficients.BLOCK_K, "SPLIT_K": triton_hc_coefficients.SPLIT_K, "SLICES": 40,
-           "SINKHORN_T": sinkhorn_t, "INTERPRETED": False},
-          # (not spill-free: the partial sums' loop alone takes 252 registers under Triton 3.6, and here one value
-          # is spilled before it and reloaded three times in it, from L1)
-          options={"num_warps": sinkhorn_t * 16 // 32, "num_stages": triton_hc_coefficients.STAGES_ONE_BLOCK,
-                   "enable_fp_fusion": False})
     for group, e4m3_scale, block_k in ((32, False, 128), (16, True, 512)):  # index keys/queries; compressed KV
         check(f"fp4_round_trip group={group}", triton_fp4_round_trip._fp4_round_trip_kernel,
               {"x_ptr": "*i16", "out_ptr": "*bf16", **scalars("R K stride_x stride_o")},
@@ -489,16 +476,11 @@ def main() -> int:
               {"BLOCK_D": block_d, "OUT_BF16": out_bf16, "OUTPUTS": outputs, "INTERPRETED": False},
               options={"num_warps": triton_rms_norm.row_warps(block_d), "enable_fp_fusion": False},  # the launcher's
               wgmma=False, pdl=pdl, spill_free=True, prefetch=True)  # (the norm's weight)
-    for expand, pdl, outputs in ((False, False, triton_rms_norm.PLAIN), (False, True, triton_rms_norm.BOTH),
-                                 (True, False, triton_rms_norm.PLAIN), (True, True, triton_rms_norm.BOTH)):
-        check(f"sublayer_input D<=8192 hc=4 expand={expand} {norm_outputs[outputs]}",
-              triton_sublayer_input._sublayer_input_kernel,
-              {**{name: "*bf16" for name in ("stream_ptr", "output_ptr", "residual_ptr", "w_ptr", "out_ptr", "out2_ptr")},
-               **{name: "*fp32" for name in ("post_ptr", "comb_ptr", "pre_ptr")},
-               **scalars("D stride_st stride_sh stride_ot stride_rt stride_rh stride_p stride_o stride_o2"),
-               "inv_d": "fp32", "eps": "fp32"},
-              {"HC": 4, "BLOCK_D": 8192, "EXPAND": expand, "CHUNK": triton_sublayer_input.EXPAND_CHUNK,
-               "OUTPUTS": outputs, "INTERPRETED": False},
+    for pdl, outputs in ((False, triton_rms_norm.PLAIN), (True, triton_rms_norm.BOTH)):  # the final norm; a sub-layer's
+        check(f"sublayer_input D<=8192 hc=4 {norm_outputs[outputs]}", triton_sublayer_input._sublayer_input_kernel,
+              {"stream_ptr": "*bf16", "pre_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16", "out2_ptr": "*bf16",
+               **scalars("D stride_st stride_sh stride_p stride_o stride_o2"), "inv_d": "fp32", "eps": "fp32"},
+              {"HC": 4, "BLOCK_D": 8192, "OUTPUTS": outputs, "INTERPRETED": False},
               options={"num_warps": triton_rms_norm.row_warps(8192), "enable_fp_fusion": False},
               wgmma=False, pdl=pdl, spill_free=True, prefetch=True)
     check("window_kv D=512 R=64", triton_window_kv._window_kv_kernel,

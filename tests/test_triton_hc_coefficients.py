@@ -100,23 +100,6 @@ def test_partial_sums_add_up_to_the_mixes():
         assert ((partials[:, :, MIXES].sum(1) - squares).abs() <= squares * 2.0 ** -20).all()
 
 
-@pytest.mark.parametrize("t", [1, 3, 8, 9])
-def test_the_sinkhorn_in_the_last_slice_gives_the_two_launches_bits(t, monkeypatch):
-    """Up to ``SINKHORN_IN_LAST_SLICE`` tokens the last slice's program runs the Sinkhorn: the bits of the
-    two launches (the setting at 0), launch after launch (each leaves its counter at zero)."""
-    from model.kernels import triton_hc_coefficients, triton_sinkhorn
-
-    inputs = random_inputs(t, seed=20 + t)
-    launches = []
-    real = triton_sinkhorn.split_sinkhorn
-    monkeypatch.setattr(triton_sinkhorn, "split_sinkhorn", lambda *args: launches.append(1) or real(*args))
-    first, again = kernel(*inputs), kernel(*inputs)
-    assert len(launches) == (0 if t <= triton_hc_coefficients.SINKHORN_IN_LAST_SLICE else 2)
-    monkeypatch.setattr(triton_hc_coefficients, "SINKHORN_IN_LAST_SLICE", 0)
-    two = kernel(*inputs)
-    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(first, again, two))
-
-
 def test_empty_batch():
     stream, fn, scale, base = random_inputs(0, seed=1)
     assert [x.shape for x in kernel(stream, fn, scale, base)] == [(0, HC), (0, HC), (0, HC, HC)]

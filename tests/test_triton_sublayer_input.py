@@ -1,6 +1,6 @@
-"""A sub-layer's input in one launch (``model/kernels/triton_sublayer_input.py``) against the launches it
-replaces (``triton_mhc.expand``, ``triton_mhc.collapse``, ``triton_rms_norm.rms_norm``), each of which its own
-test holds against its twin.
+"""A sub-layer's input in one launch (``model/kernels/triton_sublayer_input.py``) against the two launches it
+replaces (``triton_mhc.collapse``, then ``triton_rms_norm.rms_norm``), each of which its own test holds
+against its twin.
 
 Without a GPU the kernels run in Triton's interpreter (``conftest.py`` sets ``TRITON_INTERPRET``). The one
 launch does each step's arithmetic in its order and rounds where the launches store, so the check is bit
@@ -44,19 +44,6 @@ def test_one_launch_gives_the_two_launches_bits(t, hc, d, outputs):
                          two if outputs == triton_rms_norm.BOTH else (two,), strict=True):
         assert same_bits(got, want)
 
-    # the same after an expand: the stream it writes, and the input collapsed from it
-    gen = torch.Generator().manual_seed(t * d)
-    output = (torch.randn(t, d, generator=gen) * 4).bfloat16().to(device())
-    post = (2 * torch.rand(t, hc, generator=gen)).to(device())
-    comb = torch.softmax(torch.randn(t, hc, hc, generator=gen), dim=-1).to(device())
-    three = triton_mhc.expand(output, stream, post, comb)
-    expanded, *inputs = triton_sublayer_input.expand_and_sublayer_input(output, stream, post, comb, pre, weight, EPS,
-                                                                       outputs=outputs)
-    assert same_bits(expanded, three)
-    two = triton_rms_norm.rms_norm(triton_mhc.collapse(three, pre), weight, EPS, outputs=outputs)
-    for got, want in zip(inputs, two if outputs == triton_rms_norm.BOTH else (two,), strict=True):
-        assert same_bits(got, want)
-
 
 def test_a_strided_stream_and_the_batch():
     """A stream viewed out of a wider tensor (rows and copies at strides of their own) gives the bits of its
@@ -72,26 +59,19 @@ def test_a_strided_stream_and_the_batch():
 
 @pytest.mark.parametrize("batch_invariant,t", [(False, 2), (False, 12), (True, 2)])
 def test_the_backend_takes_the_one_launch(batch_invariant, t, monkeypatch):
-    """``TritonKernels`` makes a sub-layer's input (plain and FP8-ready rows, after an expand or not) and the
-    final norm's without the collapse's or the expand's launch, with the bits of the base class's composition."""
+    """``TritonKernels`` makes a sub-layer's input (plain and FP8-ready rows) and the final norm's without the
+    collapse's launch, with the bits of the base class's composition (``hc_collapse``, then the norm)."""
     from model.kernels.backend import KernelBackend
 
     stream, pre, weight = stream_inputs(t, 4, 256, seed=t)
-    output = stream[:, 1].clone()
-    post, comb = torch.ones_like(pre), torch.full((t, 4, 4), 0.25, device=device())
     kernels = TritonKernels(batch_invariant=batch_invariant)
     composed = KernelBackend.hc_collapse_and_norm_fp8_ready(kernels, stream, pre, weight, EPS)
     final = KernelBackend.hc_collapse_and_norm(kernels, stream, pre, weight, EPS)
-    after_expand = KernelBackend.hc_expand_collapse_and_norm_fp8_ready(kernels, output, stream, post, comb, pre,
-                                                                       weight, EPS)
     launches = []
-    for name in ("hc_collapse", "hc_expand", "rms_norm"):
+    for name in ("hc_collapse", "rms_norm", "rms_norm_and_fp8_ready"):
         real = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *args, real=real: launches.append(1) or real(*args))
     for got, want in zip(kernels.hc_collapse_and_norm_fp8_ready(stream, pre, weight, EPS), composed, strict=True):
         assert same_bits(got, want)
     assert same_bits(kernels.hc_collapse_and_norm(stream, pre, weight, EPS), final)
-    for got, want in zip(kernels.hc_expand_collapse_and_norm_fp8_ready(output, stream, post, comb, pre, weight, EPS),
-                         after_expand, strict=True):
-        assert same_bits(got, want)
     assert launches == []

@@ -138,15 +138,6 @@ class KernelBackend(ABC):
         as its FP8 linears take it (a backend may do it in one launch, with the same bits)."""
         return self.rms_norm_and_fp8_ready(self.hc_collapse(stream, pre), weight, eps)
 
-    def hc_expand_collapse_and_norm_fp8_ready(self, output: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
-                                              comb: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor,
-                                              eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``stream = hc_expand(output, residual, post, comb)``, then the next sub-layer's input from it:
-        ``(stream, *hc_collapse_and_norm_fp8_ready(stream, pre, weight, eps))`` (a backend may do it in one
-        launch, with the same bits)."""
-        stream = self.hc_expand(output, residual, post, comb)
-        return (stream, *self.hc_collapse_and_norm_fp8_ready(stream, pre, weight, eps))
-
     def window_kv(self, kv: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
                   rope: "RotaryTable", rope_dims: int) -> torch.Tensor:
         """The attention's KV rows from ``wkv``'s output ``kv [T, D]`` bf16: ``rms_norm`` with ``weight``,

@@ -32,9 +32,9 @@ from .triton_mhc import collapse, expand
 from .triton_engram import engram_gate as triton_engram_gate
 from .triton_ngram_hash import ngram_hash_ids
 from .triton_rms_norm import rms_norm
-from .triton_sublayer_input import expand_and_sublayer_input, sublayer_input
 from .triton_rope import rotate_
 from .triton_sparse_attention import sparse_attention
+from .triton_sublayer_input import sublayer_input
 from .triton_top_entries import top_entries
 from .weights import ExpertWeights, QuantizedWeight
 
@@ -60,11 +60,10 @@ class TritonKernels(KernelBackend):
     the routed experts of a step with up to ``tile_configs.MMA_EXPERTS_MAX_PAIRS`` pairs per expert take
     ``triton_mma_experts``, all others ``triton_moe``. The sparse attention is one launch per layer
     (``triton_sparse_attention``), where its torch twin takes ~120 small kernels; mHC's coefficients
-    take two (``triton_hc_coefficients``) instead of ~140, one up to 8 tokens (the Sinkhorn in the partial
-    sums' last program); the window's KV rows one (``triton_window_kv``: RMSNorm, RoPE and the FP8 round
-    trip); a sub-layer's input one (``triton_sublayer_input``: mHC's collapse and the RMSNorm, for the FFN
-    with the attention's expand before them); RMSNorm, RoPE, the FP8/FP4 round trips,
-    mHC's expand, the shared expert's SwiGLU and the MoE's routing and expert sum one each; the
+    take two (``triton_hc_coefficients``) instead of ~140; the window's KV rows one (``triton_window_kv``:
+    RMSNorm, RoPE and the FP8 round trip); a sub-layer's input one (``triton_sublayer_input``: mHC's
+    collapse and the RMSNorm); RMSNorm, RoPE, the FP8/FP4 round trips, mHC's expand, the shared expert's
+    SwiGLU and the MoE's routing and expert sum one each; the
     indexer's scores read each sequence's keys in place (``triton_index_scores``) instead of a
     per-query copy, and its top-k is a threshold search (``triton_top_entries``) instead of two sorts;
     Engram's n-gram hashing is one launch (``triton_ngram_hash``) instead of ~45.
@@ -222,15 +221,6 @@ class TritonKernels(KernelBackend):
             return sublayer_input(stream, pre, weight, eps, pdl=self.pdl, outputs=triton_rms_norm.BOTH)
         normed = sublayer_input(stream, pre, weight, eps, pdl=self.pdl)
         return normed, normed
-
-    def hc_expand_collapse_and_norm_fp8_ready(self, output: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
-                                              comb: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor,
-                                              eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self._rounds_apart(output.shape[0]):
-            return expand_and_sublayer_input(output, residual, post, comb, pre, weight, eps, pdl=self.pdl,
-                                             outputs=triton_rms_norm.BOTH)
-        stream, normed = expand_and_sublayer_input(output, residual, post, comb, pre, weight, eps, pdl=self.pdl)
-        return stream, normed, normed
 
     def fp8_round_trip(self, x: torch.Tensor) -> torch.Tensor:
         return act_quant_bf16(x.contiguous())

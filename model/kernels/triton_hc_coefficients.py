@@ -12,12 +12,6 @@ norm_eps)`` (``fn [(2 + hc) * hc, K]`` fp32) and from them pre ``[hc]``, post ``
 2. ``triton_sinkhorn``'s kernel adds each token's slices in increasing order, applies the rsqrt and
    runs the split and the Sinkhorn iterations.
 
-Up to ``SINKHORN_IN_LAST_SLICE`` tokens (a decode step of a few) it is one launch: ``_coefficients_kernel``
-stores the partial sums as the first kernel does, counts each program in when its partials are stored
-(``triton_split_sums.last_to_arrive``), and the last of them runs the second kernel's code
-(``triton_sinkhorn.coefficients_of_tokens``) on the partials, read from L2. The same arithmetic in the
-same order: the same bits as the two launches.
-
 Why: torch computes the mixes from an fp32 copy of the stream (``[T, 20480]`` for V4.1-Flash: 671 MB
 at an 8K prefill, written once and read three times), a square, a mean and an fp32 product: ~7
 kernels and ~2.1 ms per call at 8K tokens, twice per layer, and 8 of a one-token step's ~160
@@ -49,8 +43,6 @@ import triton.language as tl
 
 from . import triton_sinkhorn
 from .triton_common import INTERPRETED
-from .triton_sinkhorn import coefficients_of_tokens
-from .triton_split_sums import last_to_arrive, reset_counter, split_counters
 
 SPLIT_K = 512  # stream columns per program: V4.1-Flash's 20,480 make 40 slices, enough programs for one token
 BLOCK_K = 64  # columns per step
@@ -60,12 +52,6 @@ PARTIAL_COLS = 32  # the (2 + hc) * hc = 24 mixes of hc = 4, their sum of square
 # tokens (a decode step) a program's 8 steps are its whole time, with many blocks the programs fill the SMs
 STAGES_ONE_BLOCK = 3
 STAGES = 3
-# Up to this many tokens (a power of two; 0: never) the slices' program that stores its partial sums last
-# runs the Sinkhorn kernel's work for them (``triton_sinkhorn.coefficients_of_tokens``) in the launch that
-# made the sums: one launch fewer per call, twice per layer, where the Sinkhorn's own launch was a
-# one-program kernel that the GPU waited for. The program has one comb value per thread for that many
-# tokens (8 tokens of hc = 4: 4 warps, the partial sums' own), whatever the batch's size below it
-SINKHORN_IN_LAST_SLICE = 8
 
 
 @triton.jit
@@ -90,32 +76,6 @@ def _split_bf16(w):
 def _mix_partials_kernel(x_ptr, fn_ptr, part_ptr, T, K, stride_x, stride_fn, stride_pt,
                          MIXES: tl.constexpr, COLS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                          SPLIT_K: tl.constexpr, INTERPRETED: tl.constexpr):
-    _store_mix_partials(x_ptr, fn_ptr, part_ptr, T, K, stride_x, stride_fn, stride_pt, MIXES, COLS, BLOCK_T,
-                        BLOCK_K, SPLIT_K, INTERPRETED)
-
-
-@triton.jit
-def _coefficients_kernel(x_ptr, fn_ptr, part_ptr, counter_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
-                         T, K, stride_x, stride_fn, stride_pt, iters, eps, norm_eps, HC: tl.constexpr,
-                         COLS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                         SLICES: tl.constexpr, SINKHORN_T: tl.constexpr, INTERPRETED: tl.constexpr):
-    """The partial sums of one block of tokens (at most ``SINKHORN_T``), then the Sinkhorn kernel's work
-    for them in the slice's program that stores its partials last."""
-    _store_mix_partials(x_ptr, fn_ptr, part_ptr, T, K, stride_x, stride_fn, stride_pt, (2 + HC) * HC, COLS,
-                        BLOCK_T, BLOCK_K, SPLIT_K, INTERPRETED)
-    if last_to_arrive(counter_ptr, SLICES):
-        offs_t = tl.arange(0, SINKHORN_T)
-        # (the other programs' partials read from L2: ``triton_split_sums``)
-        coefficients_of_tokens(part_ptr, stride_pt, offs_t, offs_t < T, scale_ptr, base_ptr, pre_ptr, post_ptr,
-                               comb_ptr, iters, eps, K, norm_eps, HC, SLICES, COLS, ".cg", INTERPRETED)
-        reset_counter(counter_ptr)
-
-
-@triton.jit
-def _store_mix_partials(x_ptr, fn_ptr, part_ptr, T, K, stride_x, stride_fn, stride_pt, MIXES: tl.constexpr,
-                        COLS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                        INTERPRETED: tl.constexpr):
-    """This program's block of tokens and slice of ``SPLIT_K`` columns: its partial sums, stored."""
     pid_t, pid_s = tl.program_id(0), tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask = rows < T
@@ -168,30 +128,5 @@ def mix_partials(stream: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
 def hc_coefficients(stream: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
                     iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """stream ``[T, hc, D]`` -> pre ``[T, hc]``, post ``[T, hc]``, comb ``[T, hc, hc]`` fp32 (module docstring)."""
-    if 0 < stream.shape[0] <= SINKHORN_IN_LAST_SLICE and SINKHORN_IN_LAST_SLICE * hc * hc >= 32:
-        return _coefficients_in_one_launch(stream, fn, scale, base, hc, iters, hc_eps, norm_eps)
     partials = mix_partials(stream, fn)
     return triton_sinkhorn.split_sinkhorn(partials, fn.shape[1], norm_eps, scale, base, hc, iters, hc_eps)
-
-
-def _coefficients_in_one_launch(stream: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-                                hc: int, iters: int, hc_eps: float,
-                                norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``hc_coefficients`` of at most ``SINKHORN_IN_LAST_SLICE`` tokens: the Sinkhorn in the last slice's program."""
-    t = stream.shape[0]
-    x = stream.flatten(1)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    k = x.shape[1]
-    fn = fn.float().contiguous()
-    assert fn.shape == ((2 + hc) * hc, k) and fn.shape[0] < PARTIAL_COLS, (tuple(x.shape), tuple(fn.shape))
-    slices = triton.cdiv(k, SPLIT_K)
-    partials = torch.empty(t, slices, PARTIAL_COLS, dtype=torch.float32, device=stream.device)
-    pre, post, comb = triton_sinkhorn.outputs(t, hc, stream.device)
-    _coefficients_kernel[(1, slices)](
-        x, fn, partials, split_counters(stream.device, 1), scale.float().contiguous(), base.float().contiguous(),
-        pre, post, comb, t, k, x.stride(0), fn.stride(0), partials.stride(0), iters, float(hc_eps), float(norm_eps),
-        HC=hc, COLS=PARTIAL_COLS, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, SLICES=slices,
-        SINKHORN_T=SINKHORN_IN_LAST_SLICE, INTERPRETED=INTERPRETED, num_warps=SINKHORN_IN_LAST_SLICE * hc * hc // 32,
-        num_stages=STAGES_ONE_BLOCK, enable_fp_fusion=False)
-    return pre, post, comb

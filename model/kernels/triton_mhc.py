@@ -43,24 +43,15 @@ def _expand_kernel(output_ptr, residual_ptr, post_ptr, comb_ptr, y_ptr, D, strid
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = cols < D
-    store_expanded(output_ptr + t * stride_ot, residual_ptr + t * stride_rt, post_ptr + t * HC,
-                   comb_ptr + t * (HC * HC), y_ptr + t * stride_yt, stride_rh, stride_yh, cols, mask, HC, INTERPRETED)
-
-
-@triton.jit
-def store_expanded(output_row, residual_row, post_row, comb_row, y_row, stride_rh, stride_yh, cols, mask,
-                   HC: tl.constexpr, INTERPRETED: tl.constexpr):
-    """One token's expand at ``cols``: ``y[k] = post[k] * output + sum_j comb[j, k] * residual[j]`` (the sum
-    from zero in increasing j), stored rounded to bf16 at ``y_row`` (copies ``stride_yh`` apart). Fusion
-    must be off in the calling kernel (each product rounded, as the twin does)."""
     k = tl.arange(0, HC)
-    acc = tl.zeros((HC, cols.shape[0]), dtype=tl.float32)
+    acc = tl.zeros((HC, BLOCK_D), dtype=tl.float32)
     for j in tl.static_range(HC):  # y[k] += comb[j, k] * residual[j]
-        copy = tl.load(residual_row + j * stride_rh + cols, mask=mask, other=0.0).to(tl.float32)
-        acc += tl.load(comb_row + j * HC + k)[:, None] * copy[None, :]
-    output = tl.load(output_row + cols, mask=mask, other=0.0).to(tl.float32)
-    y = tl.load(post_row + k)[:, None] * output[None, :] + acc
-    tl.store(y_row + k[:, None] * stride_yh + cols[None, :], to_bf16(y, INTERPRETED), mask=mask[None, :])
+        copy = tl.load(residual_ptr + t * stride_rt + j * stride_rh + cols, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(comb_ptr + t * (HC * HC) + j * HC + k)[:, None] * copy[None, :]
+    output = tl.load(output_ptr + t * stride_ot + cols, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(post_ptr + t * HC + k)[:, None] * output[None, :] + acc
+    tl.store(y_ptr + t * stride_yt + k[:, None] * stride_yh + cols[None, :], to_bf16(y, INTERPRETED),
+             mask=mask[None, :])
 
 
 def collapse(stream: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

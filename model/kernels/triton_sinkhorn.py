@@ -55,38 +55,36 @@ def _sigmoid(x, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _slice_sum(row, offsets, mask, SLICES: tl.constexpr, COLS: tl.constexpr, CACHE: tl.constexpr):
+def _slice_sum(row, offsets, mask, SLICES: tl.constexpr, COLS: tl.constexpr):
     """A token's partial sums at ``offsets`` added over its slices in increasing order (unrolled, so
-    that every load is in flight at once; ``CACHE``: the loads' cache modifier)."""
-    total = tl.load(row + offsets, mask=mask, other=0.0, cache_modifier=CACHE)
+    that every load is in flight at once)."""
+    total = tl.load(row + offsets, mask=mask, other=0.0)
     for s in tl.static_range(1, SLICES):
-        total += tl.load(row + s * COLS + offsets, mask=mask, other=0.0, cache_modifier=CACHE)
+        total += tl.load(row + s * COLS + offsets, mask=mask, other=0.0)
     return total
 
 
 @triton.jit
-def coefficients_of_tokens(part_ptr, stride_pt, offs_t, t_mask, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
-                           iters, eps, K, norm_eps, HC: tl.constexpr, SLICES: tl.constexpr, COLS: tl.constexpr,
-                           CACHE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """pre, post and comb of the tokens ``offs_t`` (``t_mask``: those that exist) from their partial sums,
-    stored (the module docstring). Every comb value of the tokens is one thread's when the caller's
-    program has ``len(offs_t) * HC * HC / 32`` warps: the sums over four values are then the same shuffles
-    in every such program, so the bits do not depend on how many tokens a program takes."""
+def _sinkhorn_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, stride_pt, iters, eps,
+                     K, norm_eps, HC: tl.constexpr, BLOCK_T: tl.constexpr, SLICES: tl.constexpr,
+                     COLS: tl.constexpr, INTERPRETED: tl.constexpr):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < T
     j = tl.arange(0, HC)
     row = part_ptr + offs_t.to(tl.int64) * stride_pt
     # the sum of squares, then rsqrt(mean + eps) as the twin computes it
-    squares = _slice_sum(row, tl.full(offs_t.shape, (2 + HC) * HC, tl.int32), t_mask, SLICES, COLS, CACHE)
+    squares = _slice_sum(row, tl.full((BLOCK_T,), (2 + HC) * HC, tl.int32), t_mask, SLICES, COLS)
     squares = tl.where(t_mask, squares, 1.0)  # a padding token: no 1 / 0 when norm_eps is 0
-    rsqrt = tl.div_rn(tl.full(offs_t.shape, 1.0, tl.float32), tl.sqrt_rn(tl.div_rn(squares, K * 1.0) + norm_eps))
+    rsqrt = tl.div_rn(tl.full((BLOCK_T,), 1.0, tl.float32), tl.sqrt_rn(tl.div_rn(squares, K * 1.0) + norm_eps))
 
     vector_mask = t_mask[:, None]
-    pre = _slice_sum(row[:, None], j[None, :], vector_mask, SLICES, COLS, CACHE) * rsqrt[:, None]
+    pre = _slice_sum(row[:, None], j[None, :], vector_mask, SLICES, COLS) * rsqrt[:, None]
     pre = _sigmoid(pre * tl.load(scale_ptr) + tl.load(base_ptr + j)[None, :], INTERPRETED) + eps
-    post = _slice_sum(row[:, None], HC + j[None, :], vector_mask, SLICES, COLS, CACHE) * rsqrt[:, None]
+    post = _slice_sum(row[:, None], HC + j[None, :], vector_mask, SLICES, COLS) * rsqrt[:, None]
     post = 2.0 * _sigmoid(post * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + j)[None, :], INTERPRETED)
 
     square = j[:, None] * HC + j[None, :]  # [HC, HC]: comb[j, k] at 2 * HC + j * HC + k
-    comb = _slice_sum(row[:, None, None], 2 * HC + square[None, :, :], t_mask[:, None, None], SLICES, COLS, CACHE)
+    comb = _slice_sum(row[:, None, None], 2 * HC + square[None, :, :], t_mask[:, None, None], SLICES, COLS)
     comb = comb * rsqrt[:, None, None]
     comb = comb * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + square)[None, :, :]
     comb = exp_f32(comb - tl.max(comb, axis=2)[:, :, None], INTERPRETED)  # softmax over k ...
@@ -102,28 +100,15 @@ def coefficients_of_tokens(part_ptr, stride_pt, offs_t, t_mask, scale_ptr, base_
     tl.store(comb_ptr + out[:, None, None] * (HC * HC) + square[None, :, :], comb, mask=t_mask[:, None, None])
 
 
-@triton.jit
-def _sinkhorn_kernel(part_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, T, stride_pt, iters, eps,
-                     K, norm_eps, HC: tl.constexpr, BLOCK_T: tl.constexpr, SLICES: tl.constexpr,
-                     COLS: tl.constexpr, INTERPRETED: tl.constexpr):
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    coefficients_of_tokens(part_ptr, stride_pt, offs_t, offs_t < T, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
-                           iters, eps, K, norm_eps, HC, SLICES, COLS, "", INTERPRETED)
-
-
-def outputs(t: int, hc: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Empty pre ``[T, hc]``, post ``[T, hc]`` and comb ``[T, hc, hc]`` fp32."""
-    pre = torch.empty(t, hc, dtype=torch.float32, device=device)
-    return pre, torch.empty_like(pre), torch.empty(t, hc, hc, dtype=torch.float32, device=device)
-
-
 def split_sinkhorn(partials: torch.Tensor, k: int, norm_eps: float, scale: torch.Tensor, base: torch.Tensor,
                    hc: int, iters: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """pre ``[T, hc]``, post ``[T, hc]``, comb ``[T, hc, hc]`` of the mixes whose partial sums are
     ``partials [T, slices, cols]`` (module docstring); ``k`` the stream's columns (the mean's divisor)."""
     t, slices, cols = partials.shape
     assert partials.is_contiguous(), "the kernel reads each token's slices at a stride of cols"
-    pre, post, comb = outputs(t, hc, partials.device)
+    pre = torch.empty(t, hc, dtype=torch.float32, device=partials.device)
+    post = torch.empty_like(pre)
+    comb = torch.empty(t, hc, hc, dtype=torch.float32, device=partials.device)
     if t == 0:
         return pre, post, comb
     _sinkhorn_kernel[(triton.cdiv(t, BLOCK_T),)](
