@@ -88,7 +88,7 @@ class EngineConfig:
     enable_pdl: bool = field(default=False, metadata=flag(
         "programmatic dependent launch: the Triton kernels of the decode-sized products start while the "
         "kernel before them finishes (Hopper or later; needs --kernels triton; not the default: a layer's "
-        "FP8 products measured no faster with it on one H100, docs/benchmarks.md)"))
+        "FP8 products and the engine's decode steps measured no faster with it on one H100, docs/benchmarks.md)"))
     load_format: str = field(default="auto", metadata=flag(
         "auto: the checkpoint's safetensors files; dummy: random weights in their storage formats made on "
         "the device, the routers' biases zero so that tokens spread over the experts as in a load-balanced "
