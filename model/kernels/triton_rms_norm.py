@@ -3,7 +3,8 @@
 ``rms_norm(x, weight, eps)``: each row of ``x [..., D]`` in fp32, times ``rsqrt(mean(x**2) + eps)``,
 then times the weight (in fp32), rounded back to ``x``'s dtype. One program per row, the whole row
 in registers: one launch where the twin takes six kernels (the cast, the square, the mean, the
-rsqrt, two products and the cast back), ~8 calls per layer.
+rsqrt, two products and the cast back): ``q_norm`` and the compressor's norms (the sub-layers' inputs
+and the window's KV rows are normed inside ``triton_sublayer_input`` and ``triton_window_kv``).
 
 ``fp8_ready``: the normed rows also (or only) as the FP8 linears take them: their FP8 round trip per 32
 (``quant.fp8_qdq`` of the bf16 result, exactly), computed from the row already in registers, so the
