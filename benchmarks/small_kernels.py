@@ -104,7 +104,6 @@ def cases(tokens: int, device: torch.device, sets: int, gen: torch.Generator):
     pres = [torch.rand(tokens, HC, device=device, generator=gen) for _ in range(sets)]
     hidden_norm = (torch.rand(HIDDEN, device=device, generator=gen) + 0.5).bfloat16()
 
-
     def sublayer_input(backend: type[KernelBackend]):
         return lambda i: backend.hc_collapse_and_norm_fp8_ready(kernels, streams[i], pres[i], hidden_norm, 1e-6)
 
