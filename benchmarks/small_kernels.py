@@ -10,7 +10,7 @@ the script stops. Each time is per call, the median of CUDA-graph replays of ``-
 rotating inputs, next to the bytes the call moves at the copy bandwidth measured in the same run.
 
 * mHC's coefficients (``triton_hc_coefficients``: the partial sums' pipeline depth with one block of
-  tokens, ``STAGES_ONE_BLOCK``; then ``triton_sinkhorn``), twice per layer;
+  tokens, ``STAGES``; then ``triton_sinkhorn``), twice per layer;
 * the FP4 round trips (``triton_fp4_round_trip.BLOCK_ELEMENTS``, values per program): the indexer's
   queries ``[T, 32, 128]`` in groups of 32 with power-of-two scales, and compressed KV rows ``[T, 512]``
   in groups of 16 with E4M3 scales;
@@ -110,7 +110,7 @@ def cases(tokens: int, device: torch.device, sets: int, gen: torch.Generator):
     blocks = (512, 1024, 2048, 4096)
     return [
         ("mHC coefficients", tokens * HC * HIDDEN * 2 + fn.numel() * 4,
-         settings(triton_hc_coefficients, "STAGES_ONE_BLOCK", (2, 3, 4, 8), mhc)),
+         settings(triton_hc_coefficients, "STAGES", (2, 3, 4, 8), mhc)),
         ("FP4 round trip, index queries", 4 * queries[0].numel(),
          settings(triton_fp4_round_trip, "BLOCK_ELEMENTS", blocks, index_queries)),
         ("FP4 round trip, compressed KV", 4 * kv[0].numel(),

@@ -48,9 +48,9 @@ SPLIT_K = 512  # stream columns per program: V4.1-Flash's 20,480 make 40 slices,
 BLOCK_K = 64  # columns per step
 BLOCK_T = 64  # tokens per program, at every T: one tensor-core instruction shape (the rows' sums never change)
 PARTIAL_COLS = 32  # the (2 + hc) * hc = 24 mixes of hc = 4, their sum of squares, padding
-# the pipeline's depth (steps whose loads are in flight; the bits do not depend on it): with one block of
-# tokens (a decode step) a program's 8 steps are its whole time, with many blocks the programs fill the SMs
-STAGES_ONE_BLOCK = 3
+# the pipeline's depth (steps whose loads are in flight; the bits do not depend on it). One H100
+# (``benchmarks/small_kernels.py``, a call with its Sinkhorn, 1 / 16 / 64 tokens): 3 stages 11.8-12.1 µs,
+# 2 stages ~1 µs slower, 4 and 8 within 0.3 µs (docs/benchmarks.md)
 STAGES = 3
 
 
@@ -117,11 +117,10 @@ def mix_partials(stream: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
     slices = triton.cdiv(k, SPLIT_K)
     partials = torch.empty(t, slices, PARTIAL_COLS, dtype=torch.float32, device=stream.device)
     if t:
-        blocks = triton.cdiv(t, BLOCK_T)
-        _mix_partials_kernel[(blocks, slices)](
+        _mix_partials_kernel[(triton.cdiv(t, BLOCK_T), slices)](
             x, fn, partials, t, k, x.stride(0), fn.stride(0), partials.stride(0), MIXES=mixes, COLS=PARTIAL_COLS,
             BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, SPLIT_K=SPLIT_K, INTERPRETED=INTERPRETED, num_warps=4,
-            num_stages=STAGES_ONE_BLOCK if blocks == 1 else STAGES)
+            num_stages=STAGES)
     return partials
 
 

@@ -53,12 +53,16 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, out2_ptr, D, inv_d, stride_x, stride
 @triton.jit
 def normed_row(x, weight, inv_d, eps, INTERPRETED: tl.constexpr):
     """fp32 row ``x`` (zeros past D) RMSNormed, times the fp32 ``weight``, in fp32 (fusion off in the caller)."""
+    return weight * (x * norm_factor(x, inv_d, eps, INTERPRETED))
+
+
+@triton.jit
+def norm_factor(x, inv_d, eps, INTERPRETED: tl.constexpr):
+    """``rsqrt(mean(x**2) + eps)`` of the fp32 row ``x`` (zeros past D), as the twin computes it."""
     mean = tl.sum(x * x, axis=0) * inv_d  # torch's CUDA mean multiplies by fp32(1 / D)
     if INTERPRETED:
-        factor = 1.0 / tl.sqrt(mean + eps)
-    else:
-        factor = libdevice.rsqrt(mean + eps)
-    return weight * (x * factor)
+        return 1.0 / tl.sqrt(mean + eps)
+    return libdevice.rsqrt(mean + eps)
 
 
 @triton.jit

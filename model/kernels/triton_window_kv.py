@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from .triton_common import INTERPRETED, bf16_exact, fp8_round_trip_row, to_bf16
+from .triton_rms_norm import norm_factor, row_warps
 
 
 @triton.jit
@@ -31,11 +31,7 @@ def _window_kv_kernel(x_ptr, w_ptr, pos_ptr, table_ptr, out_ptr, D, inv_d, strid
     mask = cols < D
     weight = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x * x, axis=0) * inv_d  # triton_rms_norm's arithmetic
-    if INTERPRETED:
-        factor = 1.0 / tl.sqrt(mean + eps)
-    else:
-        factor = libdevice.rsqrt(mean + eps)
+    factor = norm_factor(x, inv_d, eps, INTERPRETED)  # triton_rms_norm's arithmetic
     rounded = fp8_round_trip_row(to_bf16(weight * (x * factor), INTERPRETED), BLOCK_D)
     tl.store(out_ptr + row * stride_o + cols, rounded, mask=cols < D - 2 * HALF)
 
@@ -76,5 +72,5 @@ def window_kv(kv: torch.Tensor, weight: torch.Tensor, eps: float, positions: tor
         block_d = triton.next_power_of_2(d)
         _window_kv_kernel[(t,)](kv, weight, positions, real, out, d, 1.0 / d, kv.stride(0), out.stride(0),
                                 real.stride(0), float(eps), BLOCK_D=block_d, HALF=half, INTERPRETED=INTERPRETED,
-                                num_warps=min(16, max(1, block_d // 512)), enable_fp_fusion=False)
+                                num_warps=row_warps(block_d), enable_fp_fusion=False)
     return out
