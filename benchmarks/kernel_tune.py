@@ -160,12 +160,13 @@ def _sweep(bench, name, m, limit_s, default, cfgs, table, call, budget, exact: b
 
 @contextlib.contextmanager
 def override_tables(moe=None, decode=None, fp8_decode=None, bf16=None, gemv=None, mma_gemv=None, mma_experts=None,
-                    gemv_by_shape=None, mma_gemv_by_shape=None):
+                    gemv_by_shape=None, mma_gemv_by_shape=None, decode_by_shape=None, fp8_decode_by_shape=None):
     """Every M takes ``moe`` / ``decode`` / ``fp8_decode`` / ``bf16`` / ``gemv`` / ``mma_gemv`` /
     ``mma_experts`` while inside (the tables are read at each call); ``mma_gemv`` and ``mma_experts`` also
     turn their tensor-core kernels on for every size they take, ``moe`` turns ``triton_mma_experts`` off.
-    ``gemv`` and ``mma_gemv`` take every shape too (the launches' own tables are set aside);
-    ``gemv_by_shape`` / ``mma_gemv_by_shape`` replace those tables (``tile_configs._GEMV_BY_SHAPE`` /
+    ``decode``, ``fp8_decode``, ``gemv`` and ``mma_gemv`` take every shape too (the launches' own tables are
+    set aside); ``decode_by_shape`` / ``fp8_decode_by_shape`` / ``gemv_by_shape`` / ``mma_gemv_by_shape``
+    replace those tables (``tile_configs._DECODE_MM_BY_SHAPE`` / ``_FP8_DECODE_BY_SHAPE`` / ``_GEMV_BY_SHAPE`` /
     ``_MMA_GEMV_BY_SHAPE``)."""
     tables = _tables()
     names = {"moe": "_MOE_TABLE", "decode": "_DECODE_MM_TABLE", "fp8_decode": "_FP8_DECODE_TABLE",
@@ -174,7 +175,9 @@ def override_tables(moe=None, decode=None, fp8_decode=None, bf16=None, gemv=None
     chosen = {"moe": moe, "decode": decode, "fp8_decode": fp8_decode, "bf16": bf16, "gemv": gemv,
               "mma_gemv": mma_gemv, "mma_experts": mma_experts}
     switches = ["MMA_GEMV_MIN_TOKENS", "MMA_GEMV_MAX_TOKENS", "MMA_EXPERTS_MAX_PAIRS"]
-    launch_tables = {"_GEMV_BY_SHAPE": (gemv, gemv_by_shape), "_MMA_GEMV_BY_SHAPE": (mma_gemv, mma_gemv_by_shape)}
+    launch_tables = {"_GEMV_BY_SHAPE": (gemv, gemv_by_shape), "_MMA_GEMV_BY_SHAPE": (mma_gemv, mma_gemv_by_shape),
+                     "_DECODE_MM_BY_SHAPE": (decode, decode_by_shape),
+                     "_FP8_DECODE_BY_SHAPE": (fp8_decode, fp8_decode_by_shape)}
     saved = {attr: getattr(tables, attr) for attr in [*names.values(), *switches, *launch_tables]}
     try:
         for key, cfg in chosen.items():

@@ -77,8 +77,8 @@ overriding ``model.kernels.tile_configs`` tables for the duration of each measur
 the best config per (kernel, M) and the best single config per M (``benchmarks/kernel_tune.py``).
 
 ``--tensor-core-tokens N`` lets the FP8 products of ``tile_configs.MMA_GEMV_MIN_TOKENS`` (3) to N tokens
-take ``triton_mma_gemv`` (the default N is ``tile_configs.MMA_GEMV_MAX_TOKENS``): the same run with 0 and
-8 compares it with the decode form; ``--tensor-core-tokens 1-8`` also gives it one and two tokens
+take ``triton_mma_gemv`` (the default N is ``tile_configs.MMA_GEMV_MAX_TOKENS``, 0: none): the same run
+with 0 and 8 compares it with the decode form; ``--tensor-core-tokens 1-8`` also gives it one and two tokens
 (against ``triton_gemv``).
 ``--tensor-core-experts X`` lets the routed experts of at most X pairs per expert on average take
 ``triton_mma_experts`` (default ``tile_configs.MMA_EXPERTS_MAX_PAIRS``); ``--kernels moe`` with 0 and 8
@@ -91,7 +91,7 @@ that takes ``triton_gemv`` (one token; up to ``triton_gemv.MAX_TOKENS`` below ``
 range) again with each of these configs (in the sweep's form: rows, columns a step, warps,
 stages: 1 the weight in registers, more a ring of tiles in shared memory, programs per SM), in the same
 run as the default. ``--tune-layer-gemv`` picks a config per launch of the layer graph of each M that
-takes ``triton_gemv`` or ``triton_mma_gemv`` (``benchmarks/layer_gemv_tune.py``). The command line is
+takes ``triton_gemv``, ``triton_mma_gemv`` or the decode form (``benchmarks/layer_gemv_tune.py``). The command line is
 ``benchmarks/kernel_args.py``.
 
 ``--batch-invariant`` measures the Triton backend's batch-invariant mode (every product in its
@@ -529,7 +529,8 @@ def main(argv=None) -> int:
                         + (f"; plain inputs {us(entry['graph_plain_inputs_s'])} us" if args.plain_inputs else "")
                         + (f"; without PDL {us(entry['graph_without_pdl_s'])} us" if args.pdl else "")
                         + (f"; inputs in L2 {us(entry['graph_inputs_in_l2_s'])} us" if args.inputs_in_l2 else ""))
-                    if args.tune_layer_gemv and matrix_vector_kernel(m) is not None:
+                    if args.tune_layer_gemv and (matrix_vector_kernel(m) is not None
+                                                 or m <= tile_configs.decode_form_max_tokens(fp8=True)):
                         entry["gemv_launches"] = run_layer_gemv_tune(bench, m)
                     if matrix_vector_kernel(m) is triton_gemv:
                         # the products' configs on triton_gemv (one or a few tokens), each in the same graph

@@ -1,16 +1,17 @@
 """``benchmarks/kernels.py --tune-layer-gemv``: one config per launch of the layer graph of a few tokens.
 
 A V4.1-Flash layer's nine FP8 projections reach the matrix-vector kernels (``triton_gemv`` for one or
-two tokens, ``triton_mma_gemv`` for 3-8) in six launches (``wq_a`` with ``wkv``, ``wq_b`` with the
-indexer's, the shared ``w1`` with ``w3``, ``wo_a``, ``wo_b``, ``w2``), from 9 to 47 MB of weight each,
-and the small ones cost ~4-5 µs beyond their bytes: how many programs and how long a step keep enough of
-a launch in flight may depend on its size. Here, at each M asked for, each launch is timed alone (16
-calls in one CUDA graph, rotating weight copies) under every candidate of the kernel that takes M, its
-outputs compared with the default's; then the whole layer graph is timed with each launch's best (the
-launches' own tables, ``tile_configs._GEMV_BY_SHAPE`` / ``_MMA_GEMV_BY_SHAPE``, keyed by the launch's
-output rows and K, one row of bound M) next to the graph as it runs now, in the same run. The picks are
-printed as the tables' entries. (On one H100 the one-token default was the best for every launch, within
-0.2 µs: docs/benchmarks.md.)
+two tokens, ``triton_mma_gemv`` where asked for) or the decode form (``triton_decode_mm``, up to 256
+tokens) in six launches (``wq_a`` with ``wkv``, ``wq_b`` with the indexer's, the shared ``w1`` with
+``w3``, ``wo_a``, ``wo_b``, ``w2``), from 9 to 47 MB of weight each, and the small ones cost several µs
+beyond their bytes: how many programs and how long a step keep enough of a launch in flight may depend
+on its size. Here, at each M asked for, each launch is timed alone (16 calls in one CUDA graph, rotating
+weight copies) under every candidate of the kernel that takes M, its outputs compared with the
+default's; then the whole layer graph is timed with each launch's best (the launches' own tables,
+``tile_configs._GEMV_BY_SHAPE`` / ``_MMA_GEMV_BY_SHAPE`` / ``_FP8_DECODE_BY_SHAPE`` / ``_DECODE_MM_BY_SHAPE``
+(the grouped ``wo_a``), keyed by the launch's output rows and K, one row of bound M) next to the graph as it
+runs now, in the same run. The picks are printed as the tables' entries. (On one H100 the one-token default
+was the best for every launch, within 0.2 µs: docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -58,9 +59,41 @@ def ring_candidates():
         [DecodeConfig(256, 128, 8, 2, 1)] + [DecodeConfig(128, 64, 4, ring, pps) for ring in (4, 6) for pps in (2, 4)]
 
 
+def decode_candidates():
+    """The decode form's (``triton_decode_mm``): 64 or 128 weight rows at 4 warps (4 measured best), 128- or
+    256-column steps, 3 or 4 stages, K split until 2, 4 or 8 programs per SM within one wave, or a second wave
+    allowed at 4 per SM (the grouped ``wo_a``'s table row)."""
+    from model.kernels.tile_configs import DecodeConfig
+
+    return [DecodeConfig(rows, step, 4, stages, pps, one_wave=True) for rows in (64, 128) for step in (128, 256)
+            for stages in (3, 4) for pps in (2, 4, 8)] + \
+        [DecodeConfig(rows, step, 4, 3, 4) for rows in (64, 128) for step in (128, 256)]
+
+
+def launch_family(m: int, grouped: bool) -> tuple[str, str] | None:
+    """``(table, launch table's attribute)`` of the kernel that takes a launch at ``m`` tokens (``grouped``: of
+    a grouped weight, ``wo_a``): ``override_tables``' name for its table, ``tile_configs``' for the launches'
+    own rows; None: the prefill form (no launch table)."""
+    from model.kernels import tile_configs, triton_mma_gemv
+    from model.kernels.triton_backend import matrix_vector_kernel
+
+    kernel = matrix_vector_kernel(m)
+    if kernel is None:  # the decode form: the grouped wo_a through decode_mm's table, the others through the FP8 one
+        if m > tile_configs.decode_form_max_tokens(fp8=not grouped):
+            return None
+        return ("decode", "_DECODE_MM_BY_SHAPE") if grouped else ("fp8_decode", "_FP8_DECODE_BY_SHAPE")
+    return ("mma_gemv", "_MMA_GEMV_BY_SHAPE") if kernel is triton_mma_gemv else ("gemv", "_GEMV_BY_SHAPE")
+
+
+FAMILIES = {  # table -> (the config of a launch: tile_configs' function, the candidates)
+    "gemv": ("gemv_config", candidates), "mma_gemv": ("mma_gemv_config", mma_candidates),
+    "fp8_decode": ("fp8_decode_config", decode_candidates), "decode": ("decode_mm_config", decode_candidates),
+}
+
+
 def launch_key(specs, names) -> tuple[int, int]:
     """``(rows, K)`` of the launch that computes the projections ``names`` (as ``tile_configs.gemv_config``
-    and ``mma_gemv_config`` take it)."""
+    and the other launches' configs take it)."""
     by_name = {spec.name: spec for spec in specs}
     return sum(by_name[n].groups * by_name[n].n for n in names), by_name[names[0]].k
 
@@ -74,18 +107,22 @@ def with_row(rows, m: int, cfg):
 def run_layer_gemv_tune(bench, m: int) -> dict:
     """Each launch's best config at ``m`` tokens, then the layer graph with all of them; the entry is
     returned (``graph_s`` as it runs now, ``tuned_graph_s`` with the picks, ``launches``: every timing)."""
-    from model.kernels import tile_configs, triton_mma_gemv
-    from model.kernels.triton_backend import matrix_vector_kernel
+    from model.kernels import tile_configs
 
-    on_tensor_cores = matrix_vector_kernel(m) is triton_mma_gemv
-    table = "mma_gemv" if on_tensor_cores else "gemv"
-    launch_tables = tile_configs._MMA_GEMV_BY_SHAPE if on_tensor_cores else tile_configs._GEMV_BY_SHAPE
     budget = (bench.budget_fast[0] * 0.4, bench.budget_fast[1], bench.budget_fast[2])
     sets = [layer_calls(bench.specs, lambda name, j=j: bench.weights[name][j % len(bench.weights[name])], bench.tk,
                         m, bench.gen, bench.device) for j in range(ROTATIONS)]
-    entry = {"m": m, "kernel": table, "launches": [], "picks": {}}
+    entry = {"m": m, "launches": [], "picks": {}}
+    groups = {spec.name: spec.groups for spec in bench.specs}
+    picks: dict[str, dict] = {}  # launch table's attribute -> {(rows, K): config}
+    table_of: dict[str, str] = {}  # launch table's attribute -> override_tables' name
     for index, (names, _, _) in enumerate(sets[0]):
         key = launch_key(bench.specs, names)
+        family = launch_family(m, groups[names[0]] > 1)
+        if family is None:
+            continue  # the prefill form: its configs are the table by M (``--tune``)
+        table, attr = family
+        config_of, candidates_of = FAMILIES[table]
 
         def call(i, index=index):
             return sets[i % ROTATIONS][index][2]()
@@ -93,8 +130,8 @@ def run_layer_gemv_tune(bench, m: int) -> dict:
         base = call(0)
         base_s = bench.measure_triton(call, budget, True).median_s
         timings, best = [], (base_s, None)
-        default = (tile_configs.mma_gemv_config if on_tensor_cores else tile_configs.gemv_config)(m, *key)
-        for cfg in mma_candidates() if on_tensor_cores else candidates():
+        default = getattr(tile_configs, config_of)(m, *key)
+        for cfg in candidates_of():
             if key[1] % cfg.block_k or cfg == default:
                 continue  # the kernel would shorten the step (another candidate's launch), or the base itself
             with override_tables(**{table: cfg}):
@@ -111,23 +148,28 @@ def run_layer_gemv_tune(bench, m: int) -> dict:
             timings.append({"config": cfg_text(cfg), "s": t, "rel_err_to_default": err})
             if t < best[0]:
                 best = (t, cfg)
-        entry["launches"].append({"names": list(names), "key": list(key), "default_s": base_s, "best_s": best[0],
-                                  "best": cfg_text(best[1]) if best[1] else "default", "configs": timings})
+        entry["launches"].append({"names": list(names), "kernel": table, "key": list(key), "default_s": base_s,
+                                  "best_s": best[0], "best": cfg_text(best[1]) if best[1] else "default",
+                                  "configs": timings})
         if best[1] is not None:
-            entry["picks"][key] = best[1]
-        log(f"tune layer launch M={m} {'+'.join(names):28s} {key}: default {us(base_s)} us -> best {us(best[0])} us "
-            f"{cfg_text(best[1]) if best[1] else '(the default)'}")
+            picks.setdefault(attr, {})[key] = best[1]
+            table_of[attr] = table
+        log(f"tune layer launch M={m} {'+'.join(names):28s} {key} ({table}): default {us(base_s)} us -> best "
+            f"{us(best[0])} us {cfg_text(best[1]) if best[1] else '(the default)'}")
     del sets
-    tuned = {key: with_row(launch_tables.get(key, ()), m, cfg) for key, cfg in entry["picks"].items()}
+    tuned = {f"{table_of[attr]}_by_shape": {**getattr(tile_configs, attr),
+                                            **{key: with_row(getattr(tile_configs, attr).get(key, ()), m, cfg)
+                                               for key, cfg in chosen.items()}}
+             for attr, chosen in picks.items()}
     entry["graph_s"] = bench.run_layer_graph(m, bench.tk)["graph_s"]
-    with override_tables(**{f"{table}_by_shape": {**launch_tables, **tuned}}):
+    with override_tables(**tuned):
         entry["tuned_graph_s"] = bench.run_layer_graph(m, bench.tk)["graph_s"]
     entry["again_graph_s"] = bench.run_layer_graph(m, bench.tk)["graph_s"]  # the default again: the run's noise
     log(f"layer FP8 linears M={m}: graph {us(entry['graph_s'])} / {us(entry['again_graph_s'])} us as it runs now, "
         f"{us(entry['tuned_graph_s'])} us with each launch's best")
-    attr = "_MMA_GEMV_BY_SHAPE" if on_tensor_cores else "_GEMV_BY_SHAPE"
-    log(f"tile_configs.{attr} rows of M <= {m}: {{" + ", ".join(
-        f"{key}: ({m}, DecodeConfig({c.block_w}, {c.block_k}, {c.num_warps}, {c.num_stages}, {c.programs_per_sm}))"
-        for key, c in entry["picks"].items()) + "}")
-    entry["picks"] = {f"{rows}x{k}": cfg_text(c) for (rows, k), c in entry["picks"].items()}  # (JSON keys)
+    for attr, chosen in picks.items():
+        log(f"tile_configs.{attr} rows of M <= {m}: {{" + ", ".join(
+            f"{key}: (({m}, DecodeConfig({c.block_w}, {c.block_k}, {c.num_warps}, {c.num_stages}, {c.programs_per_sm}"
+            f"{', one_wave=True' if c.one_wave else ''})),)" for key, c in chosen.items()) + "}")
+        entry["picks"][attr] = {f"{rows}x{k}": cfg_text(c) for (rows, k), c in chosen.items()}  # (JSON keys)
     return entry

@@ -136,7 +136,7 @@ def test_a_variants_suffixes_set_its_tile_tables_and_the_next_variant_gets_the_d
         assert tile_configs._GEMV_BY_SHAPE == {} and tile_configs._MMA_GEMV_BY_SHAPE == {}
         assert tile_configs.MMA_GEMV_MIN_TOKENS == defaults["MMA_GEMV_MIN_TOKENS"]
         set_tile_tables(["tc1", "eager"], defaults)  # (a suffix of no table changes none)
-        assert tile_configs.MMA_GEMV_MIN_TOKENS == 1
+        assert (tile_configs.MMA_GEMV_MIN_TOKENS, tile_configs.MMA_GEMV_MAX_TOKENS) == (1, 8)
         assert tile_configs._MMA_GEMV_BY_SHAPE is defaults["_MMA_GEMV_BY_SHAPE"]
         assert tile_configs.MMA_GEMV_RING is True
         set_tile_tables(["noring"], defaults)  # the ring's configs with the weight in registers

@@ -80,6 +80,11 @@ def test_layer_graph_calls_the_projections_of_one_input_together():
                 assert torch.equal(out, kernels.quantized_linear(x, weights[name]))
 
 
+# in-process ``--device cpu`` runs need the interpreter, which ``conftest.py`` turns on only where there is no GPU
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="in-process --device cpu needs the interpreter")
+
+
+@CPU_ONLY
 def test_tensor_core_tokens_puts_the_few_token_products_on_the_tensor_core_kernel(monkeypatch, tmp_path):
     """``--tensor-core-tokens N``: the run's FP8 products of ``MMA_GEMV_MIN_TOKENS`` (3) to N tokens take
     ``triton_mma_gemv`` (every result still checked against the reference); with 0, none does; ``1-8``:
@@ -104,6 +109,7 @@ def test_tensor_core_tokens_puts_the_few_token_products_on_the_tensor_core_kerne
     assert doc["error"] is None and all(r["rel_err"] <= 1e-2 for r in doc["results"])
 
 
+@CPU_ONLY
 def test_tensor_core_experts_puts_the_routed_experts_on_the_tensor_core_kernels(monkeypatch, tmp_path):
     """``--tensor-core-experts X``: the run's routed experts of at most X pairs per expert take
     ``triton_mma_experts`` (every result still checked against the reference); with 0, none does."""
@@ -140,13 +146,14 @@ def test_gemv_configs_are_read_in_the_tile_sweeps_form():
 
 def test_the_layer_launches_are_keyed_as_the_kernels_key_them():
     """``--tune-layer-gemv`` keys each launch of the layer graph by its output rows (a pair's rows
-    added, a grouped weight's groups x N) and K, as ``triton_gemv`` and ``triton_mma_gemv`` look their
-    configs up: a launch's own rows first (the first whose bound holds), then the table by M. Inside
-    ``override_tables(gemv=...)`` / ``(mma_gemv=...)`` every shape takes that config, and the launches'
-    tables come back after."""
+    added, a grouped weight's groups x N) and K, as ``triton_gemv``, ``triton_mma_gemv`` and the decode form
+    look their configs up: a launch's own rows first (the first whose bound holds), then the table by M.
+    Inside ``override_tables(gemv=...)`` / ``(mma_gemv=...)`` / ``(fp8_decode=...)`` every shape takes that
+    config, and the launches' tables come back after."""
     from benchmarks.kernel_inputs import FLASH, LAYER_PAIRS, linear_specs
     from benchmarks.kernel_tune import override_tables
-    from benchmarks.layer_gemv_tune import candidates, launch_key, mma_candidates, ring_candidates, with_row
+    from benchmarks.layer_gemv_tune import (candidates, decode_candidates, launch_family, launch_key, mma_candidates,
+                                            ring_candidates, with_row)
     from model.kernels import tile_configs
 
     specs = linear_specs(FLASH)
@@ -159,8 +166,23 @@ def test_the_layer_launches_are_keyed_as_the_kernels_key_them():
     entry = tile_configs.DecodeConfig(16, 256, 2, 4, 2)
     forced = tile_configs.DecodeConfig(32, 256, 4, 3, 1)
     five_to_eight = tile_configs.DecodeConfig(64, 128, 2, 1, 2)
-    saved = tile_configs._GEMV_BY_SHAPE, tile_configs._MMA_GEMV_BY_SHAPE
+    assert launch_family(1, False) == ("gemv", "_GEMV_BY_SHAPE")
+    assert launch_family(16, False) == ("fp8_decode", "_FP8_DECODE_BY_SHAPE")
+    assert launch_family(16, True) == ("decode", "_DECODE_MM_BY_SHAPE")  # the grouped wo_a: decode_mm's table
+    assert launch_family(128, False) == ("fp8_decode", "_FP8_DECODE_BY_SHAPE")
+    assert launch_family(128, True) is None  # wo_a's prefill form above 64 tokens
+    assert all(cfg.num_warps == 4 and cfg.block_w in (64, 128) for cfg in decode_candidates())
+    saved = tile_configs._GEMV_BY_SHAPE, tile_configs._MMA_GEMV_BY_SHAPE, tile_configs._FP8_DECODE_BY_SHAPE
     try:
+        tile_configs._FP8_DECODE_BY_SHAPE = {(1792, 5120): ((16, forced),)}
+        assert tile_configs.fp8_decode_config(16, 1792, 5120) == forced
+        assert tile_configs.fp8_decode_config(17, 1792, 5120) == tile_configs._pick(tile_configs._FP8_DECODE_TABLE, 17)
+        with override_tables(fp8_decode=entry):
+            assert tile_configs.fp8_decode_config(16, 1792, 5120) == entry
+        with override_tables(fp8_decode_by_shape={(512, 256): ((16, entry),)}):
+            assert tile_configs.fp8_decode_config(16, 512, 256) == entry
+            assert tile_configs.fp8_decode_config(16, 1792, 5120) == tile_configs._pick(tile_configs._FP8_DECODE_TABLE, 16)
+        assert tile_configs._FP8_DECODE_BY_SHAPE == {(1792, 5120): ((16, forced),)}
         tile_configs._GEMV_BY_SHAPE = {(1792, 5120): ((1, entry),)}
         tile_configs._MMA_GEMV_BY_SHAPE = {(1792, 5120): ((4, forced), (8, five_to_eight))}
         assert tile_configs.gemv_config(1, 1792, 5120) == entry
@@ -182,7 +204,7 @@ def test_the_layer_launches_are_keyed_as_the_kernels_key_them():
         assert tile_configs._GEMV_BY_SHAPE == {(1792, 5120): ((1, entry),)}
         assert tile_configs._MMA_GEMV_BY_SHAPE == {(1792, 5120): ((4, forced), (8, five_to_eight))}
     finally:
-        tile_configs._GEMV_BY_SHAPE, tile_configs._MMA_GEMV_BY_SHAPE = saved
+        tile_configs._GEMV_BY_SHAPE, tile_configs._MMA_GEMV_BY_SHAPE, tile_configs._FP8_DECODE_BY_SHAPE = saved
 
 
 def test_layer_table_shows_the_graph_with_inputs_in_l2_where_it_ran():

@@ -250,9 +250,13 @@ def main() -> int:
     def copied_ahead(kernel) -> list[str]:  # the pipeline's asynchronous copies into shared memory
         return [] if "LDGSTS" in kernel.asm["sass"] else ["no asynchronous copy: the loads are not pipelined"]
 
-    for bound, cfg in tile_configs._DECODE_MM_TABLE:
-        block_t = max(16, bound)
-        for b_fmt, partial, out_f32 in ((0, True, False), (0, False, False), (2, False, True)):  # wo_a; the head
+    # the tables' rows and the launches' own rows (the grouped wo_a's: FP8 only)
+    decode_rows = [(bound, cfg, True) for bound, cfg in tile_configs._DECODE_MM_TABLE] + \
+        [(bound, cfg, False) for rows in tile_configs._DECODE_MM_BY_SHAPE.values() for bound, cfg in rows]
+    for bound, cfg, any_format in decode_rows:
+        block_t = max(16, triton.next_power_of_2(bound))
+        formats = ((0, True, False), (0, False, False), (2, False, True))  # wo_a; the head
+        for b_fmt, partial, out_f32 in formats if any_format else formats[:2]:
             w_type = "*u8" if b_fmt == 0 else "*bf16"
             types = {**decode, "w_ptr": w_type, "s_ptr": w_type, "w2_ptr": w_type, "s2_ptr": w_type,
                      "out_ptr": "*fp32" if partial or out_f32 else "*bf16"}
@@ -267,7 +271,9 @@ def main() -> int:
         return copied_ahead(kernel) + ([] if re.search(r"LDGSTS\.E\s", kernel.asm["sass"]) else
                                        ["the scale words are not copied ahead"])
 
-    for bound, cfg in tile_configs._FP8_DECODE_TABLE:  # the FP8 linears: the same kernel, FP8 weights
+    fp8_rows = [*tile_configs._FP8_DECODE_TABLE,  # the table's rows, then the launches' own
+                *(row for rows in tile_configs._FP8_DECODE_BY_SHAPE.values() for row in rows)]
+    for bound, cfg in fp8_rows:  # the FP8 linears: the same kernel, FP8 weights
         # the smallest and largest token tile; scales read as words (the real shapes) or as bytes
         for block_t, partial, words in ((16, True, True), (bound, True, True), (bound, False, True),
                                         (bound, True, False)):

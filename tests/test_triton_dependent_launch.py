@@ -57,6 +57,7 @@ def test_the_backend_passes_it_to_every_kernel_that_takes_it(monkeypatch):
         weight.values, weight.scales = weight.values.to(to), weight.scales.to(to)
     experts = usual.prepare_experts(ExpertWeights(*(random_weight(WeightFormat.FP4, 128, 128, gen, experts=4)
                                                     for _ in range(3)), first_expert=0, swiglu_limit=7.0)).to(to)
+    monkeypatch.setattr(tile_configs, "MMA_GEMV_MAX_TOKENS", 8)  # a few tokens' products on triton_mma_gemv too
     x = torch.randn(tile_configs.MMA_GEMV_MIN_TOKENS, 128, generator=gen).bfloat16().to(to)
     decode_rows = torch.randn(tile_configs.MMA_GEMV_MAX_TOKENS + 4, 128, generator=gen).bfloat16().to(to)
     stream = torch.randn(len(x), 4, 128, generator=gen).bfloat16().to(to)

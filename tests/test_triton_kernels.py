@@ -289,7 +289,7 @@ def test_decode_form_matches_reference(max_splits, m, fp8_step, monkeypatch):
 @pytest.mark.parametrize("max_splits", [1, 64])
 @pytest.mark.parametrize("m", [9, 33, 200])
 def test_decode_form_takes_two_projections_of_one_input_in_one_launch(max_splits, m, monkeypatch):
-    """``quantized_linears`` of 9-256 tokens: both FP8 weights in one launch of the decode form (the second's
+    """``quantized_linears`` of 3-256 tokens: both FP8 weights in one launch of the decode form (the second's
     row tiles after the first's, its rows not a whole tile), each output against its reference twin; with
     one split each output element is one program's whole sum, so the bits of each projection alone."""
     from model.kernels import tile_configs, triton_backend

@@ -153,8 +153,8 @@ def test_backend_takes_it_from_two_tokens_up_to_its_token_count(monkeypatch):
     """The backend's products of ``MMA_GEMV_MIN_TOKENS`` (3) to ``MMA_GEMV_MAX_TOKENS`` tokens (one
     weight, a pair, the grouped ``wo_a``) take this kernel, equal to calling it directly; one and two
     tokens keep ``triton_gemv`` (faster there: docs/benchmarks.md), and with the minimum lowered to 2 two
-    tokens take it too; above the maximum, in the batch-invariant mode, and with the maximum at 0, the
-    other forms."""
+    tokens take it too; above the maximum, in the batch-invariant mode, and with the maximum at 0 (the
+    default: the decode form measured faster), the other forms."""
     from model.kernels.triton_backend import TritonKernels
 
     _config(monkeypatch, 2, 4)
@@ -165,9 +165,11 @@ def test_backend_takes_it_from_two_tokens_up_to_its_token_count(monkeypatch):
     calls = []
     real = triton_mma_gemv.fp8_mma_gemv
     monkeypatch.setattr(triton_mma_gemv, "fp8_mma_gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
-    # the measured bounds (docs/benchmarks.md)
-    assert (tile_configs.MMA_GEMV_MIN_TOKENS, tile_configs.MMA_GEMV_MAX_TOKENS) == (3, 8)
+    # the measured bounds (docs/benchmarks.md): none by default
+    assert (tile_configs.MMA_GEMV_MIN_TOKENS, tile_configs.MMA_GEMV_MAX_TOKENS) == (3, 0)
     kernels = TritonKernels()
+    kernels.quantized_linear(x[:3], weights[0])  # three tokens: the decode form
+    monkeypatch.setattr(tile_configs, "MMA_GEMV_MAX_TOKENS", 8)  # (what --tensor-core-tokens 8 sets)
     kernels.quantized_linear(x[:2], weights[0])  # two tokens: triton_gemv
     assert calls == []
     monkeypatch.setattr(tile_configs, "MMA_GEMV_MIN_TOKENS", 2)  # (what --tensor-core-tokens 2-8 sets)

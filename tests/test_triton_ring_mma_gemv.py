@@ -99,10 +99,12 @@ def test_two_weights_and_groups_at_real_shapes(monkeypatch, pdl):
 
 
 def test_the_tables_rings_reach_the_backend(monkeypatch):
-    """With the tables as they are, the backend's products of 3-8 tokens whose config has a ring go
-    through it; a weight that starts off a 16-byte boundary keeps the registers (TMA's rule)."""
+    """With the tables as they are and 3-8 tokens on ``triton_mma_gemv`` (``--tensor-core-tokens 8``), the
+    backend's products whose config has a ring go through it; a weight that starts off a 16-byte boundary
+    keeps the registers (TMA's rule)."""
     from model.kernels.triton_backend import TritonKernels
 
+    monkeypatch.setattr(tile_configs, "MMA_GEMV_MAX_TOKENS", 8)
     launched = []
     import model.kernels.triton_ring_mma_gemv as ring_module
     real = ring_module.launch_ring

@@ -84,8 +84,17 @@ class DecodeConfig:
 
 
 # a launch's ``(output rows, K)`` -> its own table (rows of ``(largest M, config)``), read before the table by
-# M (the matrix-vector kernels: ``gemv_config``, ``mma_gemv_config``)
+# M (``decode_mm_config``, ``fp8_decode_config``, ``gemv_config``, ``mma_gemv_config``)
 LaunchTables = dict[tuple[int, int], tuple[tuple[int, DecodeConfig], ...]]
+
+
+def _pick_for_launch(by_shape: LaunchTables, table: tuple[tuple[int, DecodeConfig], ...], m: int, rows: int,
+                     k: int) -> DecodeConfig:
+    """The first row of the launch's own table (``by_shape[(rows, k)]``) whose bound holds, else ``table``'s."""
+    for bound, cfg in by_shape.get((rows, k), ()):
+        if m <= bound:
+            return cfg
+    return _pick(table, m)
 
 
 # (largest M, config): ``decode_mm`` (the grouped wo_a, the bf16 head), the best single config over a
@@ -122,12 +131,38 @@ def decode_form_max_tokens(fp8: bool) -> int:
     return (_FP8_DECODE_TABLE if fp8 else _DECODE_MM_TABLE)[-1][0]
 
 
-def decode_mm_config(m: int) -> DecodeConfig:
-    return _pick(_DECODE_MM_TABLE, m)
+# Launches' own rows for the decode form, read before the tables above (``rows``: the launch's output rows, a
+# grouped weight's groups x N or a pair's two N): the picks of ``benchmarks/kernels.py --tune-layer-gemv --m
+# 16`` / ``64`` (each launch of a V4.1-Flash layer timed alone under ``layer_gemv_tune.decode_candidates``,
+# 28 configs) on one H100, where a pick gained more than 0.3 µs. The layer graph there: 98.0 -> 95.3 µs at 16
+# tokens, 140.4 -> 125.7 at 64 (docs/benchmarks.md). A launch with a row for 64 tokens keeps the table's
+# config below 17 unless it has a row of its own there. Not swept on an H200
+_FP8_DECODE_BY_SHAPE: LaunchTables = {
+    # wq_a with wkv: 12.8 -> 11.7 µs at 64 tokens
+    (1792, 5120): ((16, DecodeConfig(64, 128, 4, 3, 4, one_wave=True)), (64, DecodeConfig(64, 128, 4, 3, 4))),
+    # wq_b with the indexer's: 40.3 -> 33.6 µs at 64 tokens
+    (36864, 1280): ((16, DecodeConfig(64, 128, 4, 3, 4, one_wave=True)),
+                    (64, DecodeConfig(64, 128, 4, 3, 8, one_wave=True))),
+    (5120, 8192): ((16, DecodeConfig(64, 256, 4, 4, 2, one_wave=True)),),  # wo_b: 21.6 -> 20.7 µs at 16 tokens
+    # the shared w2: 9.9 -> 9.5 µs at 16 tokens, 12.9 -> 12.2 at 64
+    (5120, 2304): ((16, DecodeConfig(64, 256, 4, 3, 2, one_wave=True)),
+                   (64, DecodeConfig(64, 128, 4, 3, 2, one_wave=True))),
+}
+_DECODE_MM_BY_SHAPE: LaunchTables = {
+    # the grouped wo_a: 18.8 -> 17.1 µs at 16 tokens, 28.1 -> 22.4 at 64
+    (8192, 4096): ((16, DecodeConfig(64, 256, 4, 3, 2, one_wave=True)),
+                   (64, DecodeConfig(128, 128, 4, 3, 2, one_wave=True))),
+}
 
 
-def fp8_decode_config(m: int) -> DecodeConfig:
-    return _pick(_FP8_DECODE_TABLE, m)
+def decode_mm_config(m: int, rows: int = 0, k: int = 0) -> DecodeConfig:
+    """``decode_mm``'s config for ``m`` tokens times ``rows`` output rows of K = ``k`` (one launch)."""
+    return _pick_for_launch(_DECODE_MM_BY_SHAPE, _DECODE_MM_TABLE, m, rows, k)
+
+
+def fp8_decode_config(m: int, rows: int = 0, k: int = 0) -> DecodeConfig:
+    """``fp8_decode_mm``'s config for ``m`` tokens times ``rows`` output rows of K = ``k`` (one launch)."""
+    return _pick_for_launch(_FP8_DECODE_BY_SHAPE, _FP8_DECODE_TABLE, m, rows, k)
 
 
 # (largest M, config): ``triton_gemv`` (one or two tokens on the CUDA cores). ``block_w`` divides 32 (a
@@ -158,15 +193,6 @@ _GEMV_BY_SHAPE: LaunchTables = {}
 GEMV_IN_REGISTERS = DecodeConfig(32, 128, 4, 1, 4)
 
 
-def _pick_for_launch(by_shape: LaunchTables, table: tuple[tuple[int, DecodeConfig], ...], m: int, rows: int,
-                     k: int) -> DecodeConfig:
-    """The first row of the launch's own table (``by_shape[(rows, k)]``) whose bound holds, else ``table``'s."""
-    for bound, cfg in by_shape.get((rows, k), ()):
-        if m <= bound:
-            return cfg
-    return _pick(table, m)
-
-
 def gemv_config(m: int, rows: int = 0, k: int = 0) -> DecodeConfig:
     """``triton_gemv``'s config for ``m`` tokens times ``rows`` output rows of K = ``k`` (one launch)."""
     return _pick_for_launch(_GEMV_BY_SHAPE, _GEMV_TABLE, m, rows, k)
@@ -181,9 +207,15 @@ def gemv_config(m: int, rows: int = 0, k: int = 0) -> DecodeConfig:
 # 119.9 us at 2 / 4 / 8 tokens; at one token 95.9 us against 74.1, and none of the sweep's 36 configs
 # beat ``triton_gemv`` on any projection. Once ``triton_gemv`` took two rows (each weight word expanded once
 # for both), two tokens left this kernel too: on one H100, with PDL, 85.4 µs against its 113.9 (88.0
-# against 116.8 without; ``--tensor-core-tokens 3-8`` against the default, docs/benchmarks.md)
+# against 116.8 without; ``--tensor-core-tokens 3-8`` against the default, docs/benchmarks.md).
+# Then the decode form folded both scales into its bf16 operands and got FP8-ready rows, and it overtook this
+# kernel: on one H100 a layer's FP8 projections in one graph took 95.9 / 96.1 / 96.0 / 96.4 µs at 3 / 5 / 6 /
+# 8 tokens in the decode form against 96.7 at 4 and 110.3 at 8 here, and the engine's decode steps (8
+# real-width layers) 4.04 / 5.44 ms at batch 4 / 8 against 4.10 / 5.56 (docs/benchmarks.md). So no tokens take
+# it by default (MMA_GEMV_MAX_TOKENS 0); ``--tensor-core-tokens 8`` (``benchmarks/kernels.py``) and ``-tc``
+# (``benchmarks/decode.py``) put 3-8 tokens back on it, for the comparison on other GPUs
 MMA_GEMV_MIN_TOKENS = 3
-MMA_GEMV_MAX_TOKENS = 8
+MMA_GEMV_MAX_TOKENS = 0
 
 # ``triton_mma_gemv``'s configs with a ring (``num_stages`` > 1) stream the weight through shared memory
 # (``triton_ring_mma_gemv``) on GPUs that have the tensor memory accelerator; off: every config's ring is
@@ -191,9 +223,9 @@ MMA_GEMV_MAX_TOKENS = 8
 MMA_GEMV_RING = True
 
 # FP8-ready rows (``backend.py``): the kernels that make the input of a quantized linear of the decode or
-# prefill form (RMSNorm, the SwiGLU, the grouped ``wo_a``'s split sums) round it through FP8 themselves,
-# and the product skips its own round trip's launch; off: every product rounds its own input (the
-# benchmarks' comparison)
+# prefill form (from 3 tokens on: RMSNorm, the SwiGLU, the grouped ``wo_a``'s split sums) round it through
+# FP8 themselves, and the product skips its own round trip's launch; off: every product rounds its own input
+# (the benchmarks' comparison)
 ROUND_TRIP_IN_PRODUCERS = True
 
 # (largest M, config): ``triton_mma_gemv``. ``block_w`` is the program's weight rows (32 per warp,

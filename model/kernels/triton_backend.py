@@ -53,10 +53,11 @@ def matrix_vector_kernel(m: int, eight_byte_aligned: bool = True):
 class TritonKernels(KernelBackend):
     """``batch_invariant``: every product in its prefill form, whose rows never depend on M (see
     ``triton_bf16_mm``); otherwise the FP8 products of one or two tokens take the matrix-vector form
-    (``triton_gemv``, two projections of one input in one launch), those of 3-8 tokens the tensor cores
-    fed from registers (``triton_mma_gemv``: ``tile_configs.MMA_GEMV_MIN_TOKENS`` to ``MAX_TOKENS``) and
-    the others the split-K decode form (``triton_decode_mm``) up to ``tile_configs.decode_form_max_tokens``
-    (the FP8 linears: 256 tokens; ``wo_a`` and the head: 64);
+    (``triton_gemv``, two projections of one input in one launch) and the others the split-K decode form
+    (``triton_decode_mm``) up to ``tile_configs.decode_form_max_tokens`` (the FP8 linears: 256 tokens;
+    ``wo_a`` and the head: 64); the tensor cores fed from registers (``triton_mma_gemv``) take those of
+    ``tile_configs.MMA_GEMV_MIN_TOKENS`` to ``MMA_GEMV_MAX_TOKENS`` tokens, none by default (the decode
+    form measured faster);
     the routed experts of a step with up to ``tile_configs.MMA_EXPERTS_MAX_PAIRS`` pairs per expert take
     ``triton_mma_experts``, all others ``triton_moe``. The sparse attention is one launch per layer
     (``triton_sparse_attention``), where its torch twin takes ~120 small kernels; mHC's coefficients
@@ -123,8 +124,8 @@ class TritonKernels(KernelBackend):
 
     def quantized_linears(self, x: torch.Tensor, weights: Sequence[QuantizedWeight],
                           prepared: bool = False) -> list[torch.Tensor]:
-        """Two FP8 projections of a few tokens in one launch (a matrix-vector kernel, or the decode form
-        from ``tile_configs.MMA_GEMV_MAX_TOKENS`` + 1 tokens on); otherwise one by one."""
+        """Two FP8 projections of a few tokens in one launch (a matrix-vector kernel, or the decode form up to
+        ``tile_configs.decode_form_max_tokens``); otherwise one by one."""
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         if len(weights) != 2 or weights[0].in_features != weights[1].in_features or \

@@ -1,7 +1,10 @@
 """Decode form of the products: a few tokens, the weight streamed by many programs.
 
 One kernel (``_decode_mm_kernel``: bf16 operands, the weight expanded in registers) with two entry
-points, for the small M of decode steps, where the weight's bytes are the whole cost:
+points, for the small M of decode steps, where the weight's bytes are the whole cost (the FP8 linears
+of 3-256 tokens outside the batch-invariant mode; one or two tokens take ``triton_gemv``). Each launch
+reads its config from the table by M, or from its own rows by shape (``tile_configs.fp8_decode_config``,
+``decode_mm_config``):
 
 * ``fp8_decode_mm``: the FP8 linears (``quantized_linear``: the activation's FP8 round trip per 32
   times an FP8 weight). Both scales are folded into bf16 operands, as in the prefill form
@@ -40,7 +43,8 @@ Both take the products transposed and split K:
   bits on every run) and rounds once. One split writes the output directly. (Letting the last split
   of each tile to arrive add the partials, with a counter per tile, saved that launch but was
   slower on one H200 at 8 and 64 tokens: one program per tile then reads every split's partial in
-  turn; ``docs/benchmarks.md``.)
+  turn. Tried again for 64-row tiles of 16 tokens, four splits' loads at a time as ``triton_gemv``
+  adds them: a layer's projections took 100.8 µs against 98.6 on one H100; ``docs/benchmarks.md``.)
 
 Not batch invariant: the split, and the summation order it implies, depend on the shape, and the
 prefill form (``bf16_mm``) sums K in one pass. ``TritonKernels(batch_invariant=True)`` therefore
@@ -205,7 +209,8 @@ def fp8_decode_mm(a: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.T
         raise ValueError(f"FP8 linears take K a multiple of 32, got {k}")
     (values, scales), second = weights[0], weights[1:]
     return decode_mm(a if rounded else act_quant_bf16(a.contiguous(), pdl=pdl), values, scales, WeightFormat.FP8,
-                     cfg=fp8_decode_config(m), second=second[0] if second else None, pdl=pdl)
+                     cfg=fp8_decode_config(m, sum(v.shape[0] for v, _ in weights), k),
+                     second=second[0] if second else None, pdl=pdl)
 
 
 def decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None, fmt: WeightFormat,
@@ -214,7 +219,7 @@ def decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None
               pdl: bool = False) -> torch.Tensor:
     """``a [M, G*K]`` bf16 (M <= ``MAX_TOKENS``; group g reads columns g*K..) times ``W [G*N, K]``
     (FP8 expanded with its scales, or BF16 with ``scales`` None) -> ``[M, G*N]`` in ``out_dtype``;
-    ``cfg``: the config (default: ``decode_mm_config``'s); ``second``: a second weight ``(values [N2, K],
+    ``cfg``: the config (default: ``decode_mm_config``'s for this launch); ``second``: a second weight ``(values [N2, K],
     scales)`` of the same format times the same ``a`` (one group), its outputs in columns N..N+N2;
     ``round_trip``: the bf16 output's FP8 round trip per 32 instead (rows of a multiple of 32), taken
     where the splits are added (one split: a launch of its own). ``pdl``: programmatic dependent launch where
@@ -237,7 +242,7 @@ def decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None
     if a.stride(1) != 1:
         a = a.contiguous()
     block_t = max(16, triton.next_power_of_2(m))
-    cfg = fit_shared_memory(cfg or decode_mm_config(m), values.element_size(), block_t)
+    cfg = fit_shared_memory(cfg or decode_mm_config(m, groups * n + n2, k), values.element_size(), block_t)
     splits, k_per_split = split_count(cfg, n + n2, k, groups, sm_count(a.device))
     if fmt is WeightFormat.BF16:
         w, s, scale_rows_per_group = values, values, 0

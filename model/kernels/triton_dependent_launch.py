@@ -31,7 +31,7 @@ Used by the decode-sized products, which load their first weights before the wai
 and ``triton_gemv`` when its weight goes through registers; through its ring in shared memory, the
 default, it fetches the ring's first steps into L2 before the wait instead, ``fetch_into_l2``, since the
 ring's copies are the compiler's pipeline, which starts after the wait, and it lets the next kernel
-start only once its weight is streamed; so does the decode form of 9-256 tokens, ``triton_decode_mm``,
+start only once its weight is streamed; so does the decode form of 3-256 tokens, ``triton_decode_mm``,
 whose split sums wait first), by the routed experts' chain on the tensor cores
 (``triton_mma_experts``: the activation's quantization, the pairs' sort, gate/up and down; which weights
 they read depends on the routing, so after a sort they only overlap their launches, and without one
