@@ -59,12 +59,18 @@ def ring_candidates():
         [DecodeConfig(256, 128, 8, 2, 1)] + [DecodeConfig(128, 64, 4, ring, pps) for ring in (4, 6) for pps in (2, 4)]
 
 
-def decode_candidates():
-    """The decode form's (``triton_decode_mm``): 64 or 128 weight rows at 4 warps (4 measured best), 128- or
-    256-column steps, 3 or 4 stages, K split until 2, 4 or 8 programs per SM within one wave, or a second wave
-    allowed at 4 per SM (the grouped ``wo_a``'s table row)."""
+def decode_candidates(m: int):
+    """The decode form's (``triton_decode_mm``) at ``m`` tokens. Up to 64: 64 or 128 weight rows at 4 warps
+    (4 measured best), 128- or 256-column steps, 3 or 4 stages, K split until 2, 4 or 8 programs per SM within
+    one wave, or a second wave allowed at 4 per SM (the grouped ``wo_a``'s table row). From 65 (one token tile
+    of up to 256): 64 rows at 4 warps or 128 at 8 (the fp32 sums of 128 rows x 256 tokens need 8 warps' registers),
+    64- or 128-column steps (what fits in shared memory at 256 tokens), 3 or 4 stages, 1 or 2 programs per SM in
+    one wave."""
     from model.kernels.tile_configs import DecodeConfig
 
+    if m > 64:
+        return [DecodeConfig(rows, step, rows // 16, stages, pps, one_wave=True) for rows in (64, 128)
+                for step in (64, 128) for stages in (3, 4) for pps in (1, 2)]
     return [DecodeConfig(rows, step, 4, stages, pps, one_wave=True) for rows in (64, 128) for step in (128, 256)
             for stages in (3, 4) for pps in (2, 4, 8)] + \
         [DecodeConfig(rows, step, 4, 3, 4) for rows in (64, 128) for step in (128, 256)]
@@ -85,8 +91,8 @@ def launch_family(m: int, grouped: bool) -> tuple[str, str] | None:
     return ("mma_gemv", "_MMA_GEMV_BY_SHAPE") if kernel is triton_mma_gemv else ("gemv", "_GEMV_BY_SHAPE")
 
 
-FAMILIES = {  # table -> (the config of a launch: tile_configs' function, the candidates)
-    "gemv": ("gemv_config", candidates), "mma_gemv": ("mma_gemv_config", mma_candidates),
+FAMILIES = {  # table -> (the config of a launch: tile_configs' function, the candidates at M tokens)
+    "gemv": ("gemv_config", lambda m: candidates()), "mma_gemv": ("mma_gemv_config", lambda m: mma_candidates()),
     "fp8_decode": ("fp8_decode_config", decode_candidates), "decode": ("decode_mm_config", decode_candidates),
 }
 
@@ -131,7 +137,7 @@ def run_layer_gemv_tune(bench, m: int) -> dict:
         base_s = bench.measure_triton(call, budget, True).median_s
         timings, best = [], (base_s, None)
         default = getattr(tile_configs, config_of)(m, *key)
-        for cfg in candidates_of():
+        for cfg in candidates_of(m):
             if key[1] % cfg.block_k or cfg == default:
                 continue  # the kernel would shorten the step (another candidate's launch), or the base itself
             with override_tables(**{table: cfg}):

@@ -171,7 +171,8 @@ def test_the_layer_launches_are_keyed_as_the_kernels_key_them():
     assert launch_family(16, True) == ("decode", "_DECODE_MM_BY_SHAPE")  # the grouped wo_a: decode_mm's table
     assert launch_family(128, False) == ("fp8_decode", "_FP8_DECODE_BY_SHAPE")
     assert launch_family(128, True) is None  # wo_a's prefill form above 64 tokens
-    assert all(cfg.num_warps == 4 and cfg.block_w in (64, 128) for cfg in decode_candidates())
+    assert all(cfg.num_warps == 4 and cfg.block_w in (64, 128) for cfg in decode_candidates(16))
+    assert all(cfg.block_w == 16 * cfg.num_warps and cfg.one_wave for cfg in decode_candidates(128))
     saved = tile_configs._GEMV_BY_SHAPE, tile_configs._MMA_GEMV_BY_SHAPE, tile_configs._FP8_DECODE_BY_SHAPE
     try:
         tile_configs._FP8_DECODE_BY_SHAPE = {(1792, 5120): ((16, forced),)}
