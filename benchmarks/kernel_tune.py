@@ -28,7 +28,7 @@ DECODE_MAX_M = 256  # above: the experts' prefill configs
 
 def run_tune(bench, ms: list[int]) -> None:
     """Sweep the tile configs at the sizes ``ms``; appends one entry per (kernel, M) to ``bench.tune``."""
-    # FP8 linears at M <= 64: the decode form's configs (triton_decode_mm; the split changes the
+    # FP8 linears at M <= 256 (wo_a: 64): the decode form's configs (triton_decode_mm; the split changes the
     # summation order, so outputs are compared within tolerance); above, the prefill form's
     # (triton_bf16_mm, compared bit for bit). Experts: the weight rows stay on the tensor cores'
     # 64-row side (batch invariance) (outputs compared bit for bit).

@@ -64,11 +64,11 @@ programs per SM before split-K stops, the weight in registers; and 256-512 colum
 tiles in shared memory, 1 or 2 programs per SM; outputs compared with the default config's within the
 tolerance), of the tensor-core matrix-vector form at M <= 8 (``triton_mma_gemv``: 2-8 warps of 32
 weight rows, 2-16 programs per SM before split-K stops; swept against the backend's current form at
-that M, outputs compared within the tolerance), of their decode form (M <= 64:
+that M, outputs compared within the tolerance), of their decode form (M <= 256, ``wo_a`` M <= 64:
 64-128 weight rows, 3-6 stages, 2-8 programs per SM before split-K stops, with or without the
 one-wave cap; ``wo_a``: 64-128 weight rows x 128-256 K columns per step, 3-4 stages; outputs
 compared with the default config's within the tolerance, since another split sums in another
-order), of their prefill form (M > 64: 64-256 tokens x 64-256 weight rows, 4 or 8 warps, 3-4
+order), of their prefill form (above: 64-256 tokens x 64-256 weight rows, 4 or 8 warps, 3-4
 stages within shared memory; outputs compared bit for bit: every config sums K in the same steps)
 and the experts' configs (M <= 256: 16-32 tokens x 64-128 weight rows, 4 or 8 warps, 2-4
 stages; above: 64-128 tokens x 128 weight rows, 8 warps, 2-4 stages; outputs compared bit
@@ -91,11 +91,12 @@ that takes ``triton_gemv`` (one token; up to ``triton_gemv.MAX_TOKENS`` below ``
 range) again with each of these configs (in the sweep's form: rows, columns a step, warps,
 stages: 1 the weight in registers, more a ring of tiles in shared memory, programs per SM), in the same
 run as the default. ``--tune-layer-gemv`` picks a config per launch of the layer graph of each M that
-takes ``triton_gemv``, ``triton_mma_gemv`` or the decode form (``benchmarks/layer_gemv_tune.py``). The command line is
-``benchmarks/kernel_args.py``.
+takes ``triton_gemv``, ``triton_mma_gemv`` or the decode form (``benchmarks/layer_gemv_tune.py``). The
+command line is ``benchmarks/kernel_args.py``.
 
 ``--batch-invariant`` measures the Triton backend's batch-invariant mode (every product in its
-prefill form) instead of the default (split-K decode form at M <= 64).
+prefill form) instead of the default (the matrix-vector form at one or two tokens, the split-K decode form
+up to 256).
 
 Progress goes to stderr; the markdown tables are printed last on stdout; ``--json PATH`` writes
 every number. ``--device cpu`` (with ``--tiny``) sets TRITON_INTERPRET=1 itself when it is unset.

@@ -182,7 +182,8 @@ def test_the_layer_launches_are_keyed_as_the_kernels_key_them():
             assert tile_configs.fp8_decode_config(16, 1792, 5120) == entry
         with override_tables(fp8_decode_by_shape={(512, 256): ((16, entry),)}):
             assert tile_configs.fp8_decode_config(16, 512, 256) == entry
-            assert tile_configs.fp8_decode_config(16, 1792, 5120) == tile_configs._pick(tile_configs._FP8_DECODE_TABLE, 16)
+            by_m = tile_configs._pick(tile_configs._FP8_DECODE_TABLE, 16)
+            assert tile_configs.fp8_decode_config(16, 1792, 5120) == by_m
         assert tile_configs._FP8_DECODE_BY_SHAPE == {(1792, 5120): ((16, forced),)}
         tile_configs._GEMV_BY_SHAPE = {(1792, 5120): ((1, entry),)}
         tile_configs._MMA_GEMV_BY_SHAPE = {(1792, 5120): ((4, forced), (8, five_to_eight))}
