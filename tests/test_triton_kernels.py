@@ -316,6 +316,32 @@ def test_decode_form_takes_two_projections_of_one_input_in_one_launch(max_splits
             assert torch.equal(got, kernels.quantized_linear(x.to(device()), weight))
 
 
+def test_decode_form_launches_read_their_own_rows_first(monkeypatch):
+    """A launch of the decode form takes its own row by shape (``tile_configs._FP8_DECODE_BY_SHAPE`` keyed by the
+    pair's rows and K, ``_DECODE_MM_BY_SHAPE`` by the grouped weight's groups x N and K) where its bound holds,
+    else the table by M."""
+    from model.kernels import tile_configs, triton_backend, triton_decode_mm
+
+    pair_row = tile_configs.DecodeConfig(64, 64, 4, 3, 64, max_splits=2)
+    grouped_row = tile_configs.DecodeConfig(64, 64, 4, 3, 64, max_splits=3)
+    monkeypatch.setattr(tile_configs, "_FP8_DECODE_BY_SHAPE", {(96 + 160, 256): ((16, pair_row),)})
+    monkeypatch.setattr(tile_configs, "_DECODE_MM_BY_SHAPE", {(3 * 64, 128): ((16, grouped_row),)})
+    used = []
+    real = triton_decode_mm.split_count
+    monkeypatch.setattr(triton_decode_mm, "split_count", lambda cfg, *a: used.append(cfg) or real(cfg, *a))
+    gen = torch.Generator().manual_seed(4)
+    kernels = triton_backend.TritonKernels()
+    weights = [random_weight(WeightFormat.FP8, n, 256, gen).to(device()) for n in (96, 160)]
+    grouped = random_weight(WeightFormat.FP8, 3 * 64, 128, gen).to(device())
+    for m in (9, 17):
+        x = torch.randn(m, 256, generator=gen).bfloat16().to(device())
+        kernels.quantized_linears(x, weights)
+        kernels.grouped_dequantized_linear(torch.randn(m, 3, 128, generator=gen).bfloat16().to(device()), grouped)
+    assert used[:2] == [pair_row, grouped_row]
+    assert used[2:] == [tile_configs._pick(tile_configs._FP8_DECODE_TABLE, 17),
+                        tile_configs._pick(tile_configs._DECODE_MM_TABLE, 17)]
+
+
 def test_decode_form_split_count_fills_the_gpu():
     from model.kernels.tile_configs import DecodeConfig
     from model.kernels.triton_decode_mm import split_count
