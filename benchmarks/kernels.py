@@ -530,8 +530,8 @@ def main(argv=None) -> int:
                         + (f"; plain inputs {us(entry['graph_plain_inputs_s'])} us" if args.plain_inputs else "")
                         + (f"; without PDL {us(entry['graph_without_pdl_s'])} us" if args.pdl else "")
                         + (f"; inputs in L2 {us(entry['graph_inputs_in_l2_s'])} us" if args.inputs_in_l2 else ""))
-                    if args.tune_layer_gemv and (matrix_vector_kernel(m) is not None
-                                                 or m <= tile_configs.decode_form_max_tokens(fp8=True)):
+                    # (the matrix-vector kernels' sizes and the decode form's)
+                    if args.tune_layer_gemv and m <= tile_configs.decode_form_max_tokens(fp8=True):
                         entry["gemv_launches"] = run_layer_gemv_tune(bench, m)
                     if matrix_vector_kernel(m) is triton_gemv:
                         # the products' configs on triton_gemv (one or a few tokens), each in the same graph

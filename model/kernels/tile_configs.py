@@ -114,10 +114,11 @@ _DECODE_MM_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
 # of the layer's shapes (wo_b, wq_b, w1, wkv) on one H100, each call timed alone in a CUDA graph, against the
 # block-order kernel this replaced (118.4 µs at 64 tokens, 85.7 at 16): 128 rows x 128 columns, 4 warps, 3
 # stages, 2 programs per SM took 99.6 / 78.6 µs, 64 rows at 4 per SM 114.8 / 73.7 (docs/benchmarks.md)
+# (ptxas runs this tile's wgmmas one at a time, the 128-row tiles' not; still, a layer's nine projections at 16
+# tokens on one H100 took 107.7 µs here against 111.9 with 128 rows and 116.4 on two warps)
+_FP8_DECODE_16_TOKENS = DecodeConfig(64, 128, 4, 3, 4, one_wave=True)
 _FP8_DECODE_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
-    # (ptxas runs this tile's wgmmas one at a time, the 128-row tiles' not; still, a layer's nine projections
-    # at 16 tokens on one H100 took 107.7 µs here against 111.9 with 128 rows and 116.4 on two warps)
-    (16, DecodeConfig(64, 128, 4, 3, 4, one_wave=True)),
+    (16, _FP8_DECODE_16_TOKENS),
     (64, DecodeConfig(128, 128, 4, 3, 2, one_wave=True)),
     # 65-256 tokens in one token tile (the weight expanded once for all of them; 256 tokens: 64-column steps,
     # what fits in shared memory): seven of a layer's shapes on one H200 took 164.4 µs at 128 tokens and
@@ -135,14 +136,13 @@ def decode_form_max_tokens(fp8: bool) -> int:
 # grouped weight's groups x N or a pair's two N): the picks of ``benchmarks/kernels.py --tune-layer-gemv --m
 # 16`` / ``64`` (each launch of a V4.1-Flash layer timed alone under ``layer_gemv_tune.decode_candidates``,
 # 28 configs) on one H100, where a pick gained more than 0.3 µs. The layer graph there: 98.0 -> 95.3 µs at 16
-# tokens, 140.4 -> 125.7 at 64 (docs/benchmarks.md). A launch with a row for 64 tokens keeps the table's
-# config below 17 unless it has a row of its own there. Not swept on an H200
+# tokens, 140.4 -> 125.7 at 64 (docs/benchmarks.md). A launch's first row whose bound holds is taken, so a
+# launch with a row for 64 tokens repeats the table's 16-token config where it keeps it. Not swept on an H200
 _FP8_DECODE_BY_SHAPE: LaunchTables = {
     # wq_a with wkv: 12.8 -> 11.7 µs at 64 tokens
-    (1792, 5120): ((16, DecodeConfig(64, 128, 4, 3, 4, one_wave=True)), (64, DecodeConfig(64, 128, 4, 3, 4))),
+    (1792, 5120): ((16, _FP8_DECODE_16_TOKENS), (64, DecodeConfig(64, 128, 4, 3, 4))),
     # wq_b with the indexer's: 40.3 -> 33.6 µs at 64 tokens
-    (36864, 1280): ((16, DecodeConfig(64, 128, 4, 3, 4, one_wave=True)),
-                    (64, DecodeConfig(64, 128, 4, 3, 8, one_wave=True))),
+    (36864, 1280): ((16, _FP8_DECODE_16_TOKENS), (64, DecodeConfig(64, 128, 4, 3, 8, one_wave=True))),
     (5120, 8192): ((16, DecodeConfig(64, 256, 4, 4, 2, one_wave=True)),),  # wo_b: 21.6 -> 20.7 µs at 16 tokens
     # the shared w2: 9.9 -> 9.5 µs at 16 tokens, 12.9 -> 12.2 at 64
     (5120, 2304): ((16, DecodeConfig(64, 256, 4, 3, 2, one_wave=True)),
