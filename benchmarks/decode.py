@@ -295,12 +295,9 @@ def device_busy(prof) -> tuple[float, float]:
 
 # the suffixes of --kernels that change ``tile_configs`` for their engine: (attribute, value) pairs
 TABLE_SUFFIXES: dict[str, tuple[tuple[str, object], ...]] = {
-    "tc": (("MMA_GEMV_MAX_TOKENS", 8),),
-    "tc1": (("MMA_GEMV_MIN_TOKENS", 1), ("MMA_GEMV_MAX_TOKENS", 8)),
     "notcx": (("MMA_EXPERTS_MAX_PAIRS", 0.0),),
     "sort": (("MMA_EXPERTS_UNSORTED_PAIRS", 0),),
-    "noshape": (("_GEMV_BY_SHAPE", {}), ("_MMA_GEMV_BY_SHAPE", {})),
-    "noring": (("MMA_GEMV_RING", False),),
+    "noshape": (("_GEMV_BY_SHAPE", {}),),
     "noready": (("ROUND_TRIP_IN_PRODUCERS", False),),
 }
 
@@ -325,18 +322,13 @@ def main() -> int:
     parser.add_argument("--preset", default="v41-flash-L8")
     parser.add_argument("--kernels", default="triton,triton-eager,reference",
                         help="backends to run; suffixes: -bi turns --batch-invariant on, -eager turns CUDA graphs "
-                             "off (--enforce-eager), -nozos zero-overhead scheduling off (--no-zos), -tc the FP8 "
-                             "products of 3-8 tokens on the tensor cores fed from registers (triton_mma_gemv) "
-                             "instead of the decode form, -notcx the routed experts on triton_moe instead of "
-                             "triton_mma_experts, -tc1 the FP8 products of 1-8 tokens on triton_mma_gemv (one and "
-                             "two tokens instead of triton_gemv), -sort triton_mma_experts' pair sort in every "
-                             "step, -noshape "
-                             "the matrix-vector kernels' per-launch configs set aside (the tables by M only), -noring "
-                             "triton_mma_gemv's weight into registers even where its config has a ring (the same "
-                             "configs, not the tables from before the ring), -noready every FP8 product of the decode "
-                             "and prefill forms rounding its own input instead of its producer (ROUND_TRIP_IN_PRODUCERS "
-                             "off; these seven: in-process engine only), -pdl "
-                             "programmatic dependent launch on (--enable-pdl) for that run")
+                             "off (--enforce-eager), -nozos zero-overhead scheduling off (--no-zos), -notcx the "
+                             "routed experts on triton_moe instead of triton_mma_experts, -sort triton_mma_experts' "
+                             "pair sort in every step, -noshape triton_gemv's per-launch configs set aside (its "
+                             "table by M only), -noready every FP8 product of the decode and prefill forms rounding "
+                             "its own input instead of its producer (ROUND_TRIP_IN_PRODUCERS off; these four: "
+                             "in-process engine only), -pdl programmatic dependent launch on (--enable-pdl) for that "
+                             "run")
     parser.add_argument("--batch", default="1,8,32,128,256", help="sequences per DP rank")
     parser.add_argument("--dp", type=int, default=1,
                         help="data-parallel ranks (one GPU each, experts sharded): batch sizes are per rank")

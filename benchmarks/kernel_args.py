@@ -33,14 +33,6 @@ def parse_args(argv=None, description: str = ""):
                    help="the Triton backend's batch-invariant mode (no split-K decode form)")
     p.add_argument("--expert-rows", action="store_true",
                    help="keep the FP4 experts in the checkpoint's row layout (the kernels' other path)")
-    p.add_argument("--tensor-core-tokens", default=None,
-                   help="FP8 products of tile_configs.MMA_GEMV_MIN_TOKENS (3) to this many tokens take the tensor-core "
-                        "matrix-vector kernel (triton_mma_gemv; 0: none, the default, tile_configs.MMA_GEMV_MAX_TOKENS); "
-                        "LO-HI: from LO to HI tokens (1-8: one and two tokens too)")
-    p.add_argument("--no-ring", action="store_true",
-                   help="triton_mma_gemv's configs with a ring take the weight into registers instead "
-                        "(tile_configs.MMA_GEMV_RING off: no triton_ring_mma_gemv; the same configs, not the "
-                        "tables from before the ring)")
     p.add_argument("--tensor-core-experts", type=float, default=None,
                    help="routed experts with at most this many pairs per expert on average take the tensor-core "
                         "kernels fed from registers (triton_mma_experts; 0: none; default: "
@@ -63,10 +55,9 @@ def parse_args(argv=None, description: str = ""):
                         "128 columns a step, 4 warps, the weight in registers (s1) or through a ring of that "
                         "many tiles in shared memory (s3, s4, ...), split-K until 4 programs per SM)")
     p.add_argument("--tune-layer-gemv", action="store_true",
-                   help="at each M that takes triton_gemv, triton_mma_gemv or the decode form (triton_decode_mm) "
-                        "also time each launch of the layer "
-                        "graph under that kernel's candidate configs, then the graph with each launch's best "
-                        "(benchmarks/layer_gemv_tune.py)")
+                   help="at each M that takes triton_gemv or the decode form (triton_decode_mm) also time each "
+                        "launch of the layer graph under that kernel's candidate configs, then the graph with each "
+                        "launch's best (benchmarks/layer_gemv_tune.py)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     try:

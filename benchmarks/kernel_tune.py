@@ -33,7 +33,7 @@ def run_tune(bench, ms: list[int]) -> None:
     # (triton_bf16_mm, compared bit for bit). Experts: the weight rows stay on the tensor cores'
     # 64-row side (batch invariance) (outputs compared bit for bit).
     tables = _tables()
-    from model.kernels import triton_gemv, triton_mma_experts, triton_mma_gemv  # (imported late, as in _tables)
+    from model.kernels import triton_gemv, triton_mma_experts  # (imported late, as in _tables)
     from model.kernels.triton_backend import matrix_vector_kernel
     decode_cfgs = [tables.DecodeConfig(bw, bk, bw // 16, st, pps) for bw in (64, 128) for bk in (128, 256)
                    for st in (3, 4) for pps in (2, 4, 8)]
@@ -48,12 +48,6 @@ def run_tune(bench, ms: list[int]) -> None:
     # few programs per SM (fewer K splits) measured best
     gemv_cfgs += [tables.DecodeConfig(bw, bk, bw // 8, stages, pps) for bw in (16, 32) for bk in (256, 512)
                   for stages in (3, 4) for pps in (1, 2)]
-    # a few tokens' FP8 products on the tensor cores fed from registers (triton_mma_gemv): 32 weight rows per
-    # warp, 2-8 warps, one, two or four 32-column blocks per loop step, 2-16 programs per SM before split-K stops;
-    # swept against whatever the backend uses now at M <= 8 (its default), so the sweep is also the
-    # head-to-head that decides MMA_GEMV_MAX_TOKENS
-    mma_cfgs = [tables.DecodeConfig(32 * warps, bk, warps, 1, pps) for warps in (2, 4, 8) for bk in (32, 64, 128)
-                for pps in (2, 4, 8, 16)]
     moe_cfgs = [tables.TileConfig(bm, bn, warps, st) for bm in (16, 32) for bn in (64, 128) for warps in (4, 8)
                 for st in (2, 3, 4)]
     # the experts on the tensor cores fed from registers (triton_mma_experts, blocks of 8 pairs): 1-8 warps,
@@ -73,7 +67,7 @@ def run_tune(bench, ms: list[int]) -> None:
                     for warps in (4, 8) for st in (3, 4) if st * 64 * 2 * (bm + bn) <= 200 * 1024]
     if bench.args.tiny:  # the logic, not the numbers: two configs of each table (the interpreter takes seconds a call)
         decode_cfgs, moe_cfgs, fp8_cfgs = decode_cfgs[1::5][:2], moe_cfgs[1::5][:2], fp8_cfgs[1::5][:2]
-        gemv_cfgs, mma_cfgs, mma_experts_cfgs = gemv_cfgs[1::5][:2], mma_cfgs[1::5][:2], mma_experts_cfgs[1::5][:2]
+        gemv_cfgs, mma_experts_cfgs = gemv_cfgs[1::5][:2], mma_experts_cfgs[1::5][:2]
         moe_prefill_cfgs, prefill_cfgs = moe_prefill_cfgs[1::5][:2], prefill_cfgs[1::5][:2]
     budget = (bench.budget_fast[0] * 0.4, bench.budget_fast[1], bench.budget_fast[2])
     for m in ms:
@@ -86,12 +80,9 @@ def run_tune(bench, ms: list[int]) -> None:
             fn = bench.tk.grouped_dequantized_linear if spec.groups > 1 else bench.tk.quantized_linear
             nbytes, flops = linear_bytes(spec, m, ws[0])
             limit_s = limit_of(nbytes, flops, bench.ceil)[2]
-            vector_form = matrix_vector_kernel(m)  # (the backend's, outside the batch-invariant mode)
             if m > bench.tk_decode_max:
                 table, cfgs, default = "bf16", prefill_cfgs, tables.bf16_mm_config(m)
-            elif vector_form is triton_mma_gemv:
-                table, cfgs, default = "mma_gemv", mma_cfgs, tables.mma_gemv_config(m, spec.groups * spec.n, spec.k)
-            elif vector_form is triton_gemv:
+            elif matrix_vector_kernel(m) is triton_gemv:  # (the backend's, outside the batch-invariant mode)
                 table, cfgs, default = "gemv", gemv_cfgs, tables.gemv_config(m, spec.groups * spec.n, spec.k)
             elif spec.groups > 1:
                 table, cfgs, default = "decode", decode_cfgs, tables.decode_mm_config(m)
@@ -99,9 +90,6 @@ def run_tune(bench, ms: list[int]) -> None:
                 table, cfgs, default = "fp8_decode", fp8_cfgs, tables.fp8_decode_config(m)
             _sweep(bench, spec.name, m, limit_s, default, cfgs, table,
                    lambda i: fn(xs[i % nx], ws[i % len(ws)]), budget)
-            if m <= triton_mma_gemv.MAX_TOKENS and table != "mma_gemv":
-                _sweep(bench, spec.name, m, limit_s, default, mma_cfgs, "mma_gemv",
-                       lambda i: fn(xs[i % nx], ws[i % len(ws)]), budget)
             del xs
         sets = bench.routing_sets(m, 8)
         hit = statistics.mean(int(torch.unique(st[2]).numel()) for st in sets)
@@ -159,24 +147,21 @@ def _sweep(bench, name, m, limit_s, default, cfgs, table, call, budget, exact: b
 
 
 @contextlib.contextmanager
-def override_tables(moe=None, decode=None, fp8_decode=None, bf16=None, gemv=None, mma_gemv=None, mma_experts=None,
-                    gemv_by_shape=None, mma_gemv_by_shape=None, decode_by_shape=None, fp8_decode_by_shape=None):
-    """Every M takes ``moe`` / ``decode`` / ``fp8_decode`` / ``bf16`` / ``gemv`` / ``mma_gemv`` /
-    ``mma_experts`` while inside (the tables are read at each call); ``mma_gemv`` and ``mma_experts`` also
-    turn their tensor-core kernels on for every size they take, ``moe`` turns ``triton_mma_experts`` off.
-    ``decode``, ``fp8_decode``, ``gemv`` and ``mma_gemv`` take every shape too (the launches' own tables are
-    set aside); ``decode_by_shape`` / ``fp8_decode_by_shape`` / ``gemv_by_shape`` / ``mma_gemv_by_shape``
-    replace those tables (``tile_configs._DECODE_MM_BY_SHAPE`` / ``_FP8_DECODE_BY_SHAPE`` / ``_GEMV_BY_SHAPE`` /
-    ``_MMA_GEMV_BY_SHAPE``)."""
+def override_tables(moe=None, decode=None, fp8_decode=None, bf16=None, gemv=None, mma_experts=None,
+                    gemv_by_shape=None, decode_by_shape=None, fp8_decode_by_shape=None):
+    """Every M takes ``moe`` / ``decode`` / ``fp8_decode`` / ``bf16`` / ``gemv`` / ``mma_experts`` while
+    inside (the tables are read at each call); ``mma_experts`` also turns the experts' tensor-core kernels on
+    for every size they take, ``moe`` turns ``triton_mma_experts`` off. ``decode``, ``fp8_decode`` and
+    ``gemv`` take every shape too (the launches' own tables are set aside); ``decode_by_shape`` /
+    ``fp8_decode_by_shape`` / ``gemv_by_shape`` replace those tables (``tile_configs._DECODE_MM_BY_SHAPE`` /
+    ``_FP8_DECODE_BY_SHAPE`` / ``_GEMV_BY_SHAPE``)."""
     tables = _tables()
     names = {"moe": "_MOE_TABLE", "decode": "_DECODE_MM_TABLE", "fp8_decode": "_FP8_DECODE_TABLE",
-             "bf16": "_BF16_MM_TABLE", "gemv": "_GEMV_TABLE", "mma_gemv": "_MMA_GEMV_TABLE",
-             "mma_experts": "_MMA_EXPERTS_TABLE"}
+             "bf16": "_BF16_MM_TABLE", "gemv": "_GEMV_TABLE", "mma_experts": "_MMA_EXPERTS_TABLE"}
     chosen = {"moe": moe, "decode": decode, "fp8_decode": fp8_decode, "bf16": bf16, "gemv": gemv,
-              "mma_gemv": mma_gemv, "mma_experts": mma_experts}
-    switches = ["MMA_GEMV_MIN_TOKENS", "MMA_GEMV_MAX_TOKENS", "MMA_EXPERTS_MAX_PAIRS"]
-    launch_tables = {"_GEMV_BY_SHAPE": (gemv, gemv_by_shape), "_MMA_GEMV_BY_SHAPE": (mma_gemv, mma_gemv_by_shape),
-                     "_DECODE_MM_BY_SHAPE": (decode, decode_by_shape),
+              "mma_experts": mma_experts}
+    switches = ["MMA_EXPERTS_MAX_PAIRS"]
+    launch_tables = {"_GEMV_BY_SHAPE": (gemv, gemv_by_shape), "_DECODE_MM_BY_SHAPE": (decode, decode_by_shape),
                      "_FP8_DECODE_BY_SHAPE": (fp8_decode, fp8_decode_by_shape)}
     saved = {attr: getattr(tables, attr) for attr in [*names.values(), *switches, *launch_tables]}
     try:
@@ -186,10 +171,6 @@ def override_tables(moe=None, decode=None, fp8_decode=None, bf16=None, gemv=None
         for attr, (every_shape, by_shape) in launch_tables.items():
             if every_shape is not None or by_shape is not None:
                 setattr(tables, attr, dict(by_shape or {}))
-        if mma_gemv is not None:
-            from model.kernels import triton_mma_gemv  # (imported late, as in _tables)
-
-            tables.MMA_GEMV_MIN_TOKENS, tables.MMA_GEMV_MAX_TOKENS = 1, triton_mma_gemv.MAX_TOKENS
         if mma_experts is not None:
             tables.MMA_EXPERTS_MAX_PAIRS = float("inf")
         if moe is not None:  # the configs of triton_moe: its kernels, whatever the backend takes by default
@@ -231,7 +212,7 @@ def tune_markdown(bench) -> str:
                      f"| {e['limit_s'] / e['best_s']:.0%} |")
     # the tables are keyed by M only: the config with the least total time over the GEMMs of each M
     lines += ["", "Best single config per M and table (sum over its GEMMs: the FP8 linears, wo_a, the experts):", ""]
-    for table in ("gemv", "mma_gemv", "fp8_decode", "decode", "bf16", "moe", "mma_experts"):
+    for table in ("gemv", "fp8_decode", "decode", "bf16", "moe", "mma_experts"):
         for m in sorted({e["m"] for e in bench.tune}):
             entries = [e for e in bench.tune if e["m"] == m and e["table"] == table]
             totals: dict[str, float] = {}

@@ -62,24 +62,17 @@ script stops with exit status 1 if any difference exceeds 1e-2 or any output is 
 ``--batch-invariant``, ``triton_gemv``: 16-32 weight rows x 128-512 K columns per step, 2-8 warps, 4 or 8
 programs per SM before split-K stops, the weight in registers; and 256-512 columns with a ring of 3-4
 tiles in shared memory, 1 or 2 programs per SM; outputs compared with the default config's within the
-tolerance), of the tensor-core matrix-vector form at M <= 8 (``triton_mma_gemv``: 2-8 warps of 32
-weight rows, 2-16 programs per SM before split-K stops; swept against the backend's current form at
-that M, outputs compared within the tolerance), of their decode form (M <= 256, ``wo_a`` M <= 64:
-64-128 weight rows, 3-6 stages, 2-8 programs per SM before split-K stops, with or without the
-one-wave cap; ``wo_a``: 64-128 weight rows x 128-256 K columns per step, 3-4 stages; outputs
-compared with the default config's within the tolerance, since another split sums in another
-order), of their prefill form (above: 64-256 tokens x 64-256 weight rows, 4 or 8 warps, 3-4
-stages within shared memory; outputs compared bit for bit: every config sums K in the same steps)
-and the experts' configs (M <= 256: 16-32 tokens x 64-128 weight rows, 4 or 8 warps, 2-4
-stages; above: 64-128 tokens x 128 weight rows, 8 warps, 2-4 stages; outputs compared bit
-for bit: the experts' kernels are batch invariant), by
-overriding ``model.kernels.tile_configs`` tables for the duration of each measurement, and prints
-the best config per (kernel, M) and the best single config per M (``benchmarks/kernel_tune.py``).
+tolerance), of their decode form (M <= 256, ``wo_a`` M <= 64: 64-128 weight rows, 3-6 stages, 2-8
+programs per SM before split-K stops, with or without the one-wave cap; ``wo_a``: 64-128 weight rows x
+128-256 K columns per step, 3-4 stages; outputs compared with the default config's within the tolerance,
+since another split sums in another order), of their prefill form (above: 64-256 tokens x 64-256 weight
+rows, 4 or 8 warps, 3-4 stages within shared memory; outputs compared bit for bit: every config sums K in
+the same steps) and the experts' configs (M <= 256: 16-32 tokens x 64-128 weight rows, 4 or 8 warps, 2-4
+stages; above: 64-128 tokens x 128 weight rows, 8 warps, 2-4 stages; outputs compared bit for bit: the
+experts' kernels are batch invariant), by overriding ``model.kernels.tile_configs`` tables for the
+duration of each measurement, and prints the best config per (kernel, M) and the best single config per M
+(``benchmarks/kernel_tune.py``).
 
-``--tensor-core-tokens N`` lets the FP8 products of ``tile_configs.MMA_GEMV_MIN_TOKENS`` (3) to N tokens
-take ``triton_mma_gemv`` (the default N is ``tile_configs.MMA_GEMV_MAX_TOKENS``, 0: none): the same run
-with 0 and 8 compares it with the decode form; ``--tensor-core-tokens 1-8`` also gives it one and two tokens
-(against ``triton_gemv``).
 ``--tensor-core-experts X`` lets the routed experts of at most X pairs per expert on average take
 ``triton_mma_experts`` (default ``tile_configs.MMA_EXPERTS_MAX_PAIRS``); ``--kernels moe`` with 0 and 8
 compares the two at the decode sizes (uniform routing: 0.016 / 0.125 / 1 / 4 pairs per expert at
@@ -87,12 +80,11 @@ M = 1 / 8 / 64 / 256).
 ``--unsorted-pairs N``: steps of at most N pairs skip those kernels' pair sort (default
 ``tile_configs.MMA_EXPERTS_UNSORTED_PAIRS``; 0 sorts every step).
 ``--gemv-configs w32/k128/warps4/s1/pps4,w32/k512/warps4/s3/pps1,...`` times the layer graph of each M
-that takes ``triton_gemv`` (one token; up to ``triton_gemv.MAX_TOKENS`` below ``--tensor-core-tokens``'s
-range) again with each of these configs (in the sweep's form: rows, columns a step, warps,
-stages: 1 the weight in registers, more a ring of tiles in shared memory, programs per SM), in the same
-run as the default. ``--tune-layer-gemv`` picks a config per launch of the layer graph of each M that
-takes ``triton_gemv``, ``triton_mma_gemv`` or the decode form (``benchmarks/layer_gemv_tune.py``). The
-command line is ``benchmarks/kernel_args.py``.
+that takes ``triton_gemv`` (up to ``triton_gemv.MAX_TOKENS``, two) again with each of these configs (in
+the sweep's form: rows, columns a step, warps, stages: 1 the weight in registers, more a ring of tiles in
+shared memory, programs per SM), in the same run as the default. ``--tune-layer-gemv`` picks a config per
+launch of the layer graph of each M that takes ``triton_gemv`` or the decode form
+(``benchmarks/layer_gemv_tune.py``). The command line is ``benchmarks/kernel_args.py``.
 
 ``--batch-invariant`` measures the Triton backend's batch-invariant mode (every product in its
 prefill form) instead of the default (the matrix-vector form at one or two tokens, the split-K decode form
@@ -472,13 +464,6 @@ def main(argv=None) -> int:
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernels are imported
     _import_kernels()
-    if args.tensor_core_tokens is not None:
-        low, _, high = args.tensor_core_tokens.rpartition("-")
-        if low:
-            tile_configs.MMA_GEMV_MIN_TOKENS = int(low)
-        tile_configs.MMA_GEMV_MAX_TOKENS = int(high)
-    if args.no_ring:
-        tile_configs.MMA_GEMV_RING = False
     if args.tensor_core_experts is not None:
         tile_configs.MMA_EXPERTS_MAX_PAIRS = args.tensor_core_experts
     if args.unsorted_pairs is not None:
@@ -530,11 +515,11 @@ def main(argv=None) -> int:
                         + (f"; plain inputs {us(entry['graph_plain_inputs_s'])} us" if args.plain_inputs else "")
                         + (f"; without PDL {us(entry['graph_without_pdl_s'])} us" if args.pdl else "")
                         + (f"; inputs in L2 {us(entry['graph_inputs_in_l2_s'])} us" if args.inputs_in_l2 else ""))
-                    # (the matrix-vector kernels' sizes and the decode form's)
+                    # (the matrix-vector kernel's sizes and the decode form's)
                     if args.tune_layer_gemv and m <= tile_configs.decode_form_max_tokens(fp8=True):
                         entry["gemv_launches"] = run_layer_gemv_tune(bench, m)
                     if matrix_vector_kernel(m) is triton_gemv:
-                        # the products' configs on triton_gemv (one or a few tokens), each in the same graph
+                        # the products' configs on triton_gemv (one or two tokens), each in the same graph
                         entry["gemv_configs"] = {}
                         for fields in args.gemv_configs:
                             with override_tables(gemv=tile_configs.DecodeConfig(**fields)):

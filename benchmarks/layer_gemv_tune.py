@@ -1,17 +1,17 @@
 """``benchmarks/kernels.py --tune-layer-gemv``: one config per launch of the layer graph of a few tokens.
 
-A V4.1-Flash layer's nine FP8 projections reach the matrix-vector kernels (``triton_gemv`` for one or
-two tokens, ``triton_mma_gemv`` where asked for) or the decode form (``triton_decode_mm``, up to 256
-tokens) in six launches (``wq_a`` with ``wkv``, ``wq_b`` with the indexer's, the shared ``w1`` with
-``w3``, ``wo_a``, ``wo_b``, ``w2``), from 9 to 47 MB of weight each, and the small ones cost several µs
-beyond their bytes: how many programs and how long a step keep enough of a launch in flight may depend
-on its size. Here, at each M asked for, each launch is timed alone (16 calls in one CUDA graph, rotating
-weight copies) under every candidate of the kernel that takes M, its outputs compared with the
-default's; then the whole layer graph is timed with each launch's best (the launches' own tables,
-``tile_configs._GEMV_BY_SHAPE`` / ``_MMA_GEMV_BY_SHAPE`` / ``_FP8_DECODE_BY_SHAPE`` / ``_DECODE_MM_BY_SHAPE``
-(the grouped ``wo_a``), keyed by the launch's output rows and K, one row of bound M) next to the graph as it
-runs now, in the same run. The picks are printed as the tables' entries. (On one H100 the one-token default
-was the best for every launch, within 0.2 µs: docs/benchmarks.md.)
+A V4.1-Flash layer's nine FP8 projections reach the matrix-vector kernel (``triton_gemv``, one or two
+tokens) or the decode form (``triton_decode_mm``, up to 256 tokens) in six launches (``wq_a`` with
+``wkv``, ``wq_b`` with the indexer's, the shared ``w1`` with ``w3``, ``wo_a``, ``wo_b``, ``w2``), from 9
+to 47 MB of weight each, and the small ones cost several µs beyond their bytes: how many programs and
+how long a step keep enough of a launch in flight may depend on its size. Here, at each M asked for,
+each launch is timed alone (16 calls in one CUDA graph, rotating weight copies) under every candidate
+of the kernel that takes M, its outputs compared with the default's; then the whole layer graph is
+timed with each launch's best (the launches' own tables, ``tile_configs._GEMV_BY_SHAPE`` /
+``_FP8_DECODE_BY_SHAPE`` / ``_DECODE_MM_BY_SHAPE`` (the grouped ``wo_a``), keyed by the launch's output
+rows and K, one row of bound M) next to the graph as it runs now, in the same run. The picks are printed
+as the tables' entries. (On one H100 the one-token default was the best for every launch, within 0.2 µs:
+docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -35,30 +35,6 @@ def candidates():
             for ring in depths for pps in (1, 2, 4)]
 
 
-def mma_candidates():
-    """``triton_mma_gemv``'s: 2, 4 or 8 warps (32 rows each); steps of four 32-column blocks (the best of
-    the per-projection sweep at 8 tokens on one H200) or of one and two; 1-8 programs per SM (3 of 4 warps
-    fit at four blocks a step: docs/benchmarks.md), the weight into registers; then those with a ring
-    (``ring_candidates``)."""
-    from model.kernels.tile_configs import DecodeConfig
-
-    four_blocks = [DecodeConfig(32 * warps, 128, warps, 1, pps) for warps, counts in ((2, (2, 4, 6, 8)),
-                   (4, (1, 2, 3, 4)), (8, (1, 2))) for pps in counts]
-    return four_blocks + [DecodeConfig(128, step, 4, 1, pps) for step in (32, 64) for pps in (4, 8)] + \
-        ring_candidates()
-
-
-def ring_candidates():
-    """``triton_mma_gemv``'s configs with a ring (``triton_ring_mma_gemv``): 4 warps, steps of four blocks
-    (16 KB a slot), rings of 2-4 slots, 1-3 programs per SM (up to ~150 KB of shared memory); 2 warps with
-    rings of 4 and 6; 8 warps with 2; steps of two blocks with rings of 4 and 6."""
-    from model.kernels.tile_configs import DecodeConfig
-
-    four_warps = [DecodeConfig(128, 128, 4, ring, pps) for ring in (2, 3, 4) for pps in (1, 2, 3)]
-    return four_warps + [DecodeConfig(64, 128, 2, ring, pps) for ring in (4, 6) for pps in (2, 4)] + \
-        [DecodeConfig(256, 128, 8, 2, 1)] + [DecodeConfig(128, 64, 4, ring, pps) for ring in (4, 6) for pps in (2, 4)]
-
-
 def decode_candidates(m: int):
     """The decode form's (``triton_decode_mm``) at ``m`` tokens. Up to 64: 64 or 128 weight rows at 4 warps
     (4 measured best), 128- or 256-column steps, 3 or 4 stages, K split until 2, 4 or 8 programs per SM within
@@ -80,19 +56,19 @@ def launch_family(m: int, grouped: bool) -> tuple[str, str] | None:
     """``(table, launch table's attribute)`` of the kernel that takes a launch at ``m`` tokens (``grouped``: of
     a grouped weight, ``wo_a``): ``override_tables``' name for its table, ``tile_configs``' for the launches'
     own rows; None: the prefill form (no launch table)."""
-    from model.kernels import tile_configs, triton_mma_gemv
+    from model.kernels import tile_configs
     from model.kernels.triton_backend import matrix_vector_kernel
 
-    kernel = matrix_vector_kernel(m)
-    if kernel is None:  # the decode form: the grouped wo_a through decode_mm's table, the others through the FP8 one
-        if m > tile_configs.decode_form_max_tokens(fp8=not grouped):
-            return None
-        return ("decode", "_DECODE_MM_BY_SHAPE") if grouped else ("fp8_decode", "_FP8_DECODE_BY_SHAPE")
-    return ("mma_gemv", "_MMA_GEMV_BY_SHAPE") if kernel is triton_mma_gemv else ("gemv", "_GEMV_BY_SHAPE")
+    if matrix_vector_kernel(m) is not None:
+        return "gemv", "_GEMV_BY_SHAPE"
+    # the decode form: the grouped wo_a through decode_mm's table, the others through the FP8 one
+    if m > tile_configs.decode_form_max_tokens(fp8=not grouped):
+        return None
+    return ("decode", "_DECODE_MM_BY_SHAPE") if grouped else ("fp8_decode", "_FP8_DECODE_BY_SHAPE")
 
 
 FAMILIES = {  # table -> (the config of a launch: tile_configs' function, the candidates at M tokens)
-    "gemv": ("gemv_config", lambda m: candidates()), "mma_gemv": ("mma_gemv_config", lambda m: mma_candidates()),
+    "gemv": ("gemv_config", lambda m: candidates()),
     "fp8_decode": ("fp8_decode_config", decode_candidates), "decode": ("decode_mm_config", decode_candidates),
 }
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 
 import numpy as np
-import torch
 
 
 def f32(bits: int) -> float:
@@ -23,10 +22,6 @@ def bits32(value: float) -> int:
     return int(np.array([value], dtype=np.float32).view(np.uint32)[0])
 
 
-def f16(bits: int) -> float:
-    return float(np.array([bits], dtype=np.uint16).view(np.float16)[0])
-
-
 def bf16(bits: int) -> float:
     return f32((bits & 0xFFFF) << 16)
 
@@ -35,11 +30,6 @@ def _bf16_bits(value: float) -> int:
     """fp32 ``value`` rounded to bf16 (to nearest even), as 16 bits."""
     b = bits32(value)
     return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
-
-
-def _e4m3_to_f16_bits(byte: int) -> int:
-    value = torch.tensor([byte], dtype=torch.uint8).view(torch.float8_e4m3fn).float().item()
-    return int(np.array([value], dtype=np.float16).view(np.uint16)[0])
 
 
 def _prmt(a: int, b: int, selector: int) -> int:
@@ -56,17 +46,17 @@ def _prmt(a: int, b: int, selector: int) -> int:
     return out
 
 
-def _mma(regs: list[dict], vec: list[list[str]], half) -> None:
-    """``mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}`` over the 32 lanes' registers."""
+def _mma(regs: list[dict], vec: list[list[str]]) -> None:
+    """``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`` over the 32 lanes' registers."""
     a_mat, b_mat, c_mat = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
     for lane, r in enumerate(regs):
         g, t = lane >> 2, lane % 4
         a_vals = [h for reg in vec[1] for h in (r[reg] & 0xFFFF, r[reg] >> 16)]  # a0..a7, low half first
         for i, h in enumerate(a_vals):
-            a_mat[g + 8 * (i % 4 >= 2), 2 * t + (i & 1) + 8 * (i >= 4)] = half(h)
+            a_mat[g + 8 * (i % 4 >= 2), 2 * t + (i & 1) + 8 * (i >= 4)] = bf16(h)
         b_vals = [h for reg in vec[2] for h in (r[reg] & 0xFFFF, r[reg] >> 16)]
         for i, h in enumerate(b_vals):
-            b_mat[2 * t + (i & 1) + 8 * (i >= 2), g] = half(h)
+            b_mat[2 * t + (i & 1) + 8 * (i >= 2), g] = bf16(h)
         for i, reg in enumerate(vec[3]):
             c_mat[g + 8 * (i >= 2), 2 * t + (i & 1)] = f32(r[reg])
     d_mat = a_mat @ b_mat + c_mat
@@ -87,11 +77,8 @@ def run_warp_ptx(ptx: str, operands: list[list[int]], outputs: int) -> list[list
         opcode, rest = line.split(None, 1)
         args = [a.strip() for a in re.split(r",\s*(?![^{]*})", rest)]
         vec = [[v.strip() for v in a.strip("{}").split(",")] for a in args]
-        if opcode == "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32":
-            _mma(regs, vec, f16)
-            continue
         if opcode == "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32":
-            _mma(regs, vec, bf16)
+            _mma(regs, vec)
             continue
         for r in regs:
             def val(a: str) -> int:
@@ -103,9 +90,6 @@ def run_warp_ptx(ptx: str, operands: list[list[int]], outputs: int) -> list[list
             if opcode in ("mov.b64", "mov.b32") and len(vec[0]) == 2:
                 width = 32 if opcode == "mov.b64" else 16
                 r[vec[0][0]], r[vec[0][1]] = r[args[1]] & ((1 << width) - 1), r[args[1]] >> width
-            elif opcode == "cvt.rn.f16x2.e4m3x2":
-                h = r[args[1]]
-                r[args[0]] = _e4m3_to_f16_bits(h & 0xFF) | _e4m3_to_f16_bits(h >> 8) << 16
             elif opcode in ("mov.f32", "mov.u32", "mov.b32"):
                 r[args[0]] = val(args[1])
             elif opcode == "cvt.u32.u16":

@@ -124,24 +124,24 @@ def test_the_share_outside_the_graph_replays_is_what_the_replays_leave_of_a_step
 
 
 def test_a_variants_suffixes_set_its_tile_tables_and_the_next_variant_gets_the_defaults_back():
-    """``--kernels triton-noshape,triton-tc1,triton``: each engine's ``tile_configs`` are the process's
-    defaults plus its own suffixes' changes; ``-noshape`` sets both matrix-vector kernels' per-launch
-    tables aside, ``-noring`` turns ``triton_mma_gemv``'s ring off."""
+    """``--kernels triton-noshape,triton-notcx-sort,triton``: each engine's ``tile_configs`` are the process's
+    defaults plus its own suffixes' changes; ``-noshape`` sets ``triton_gemv``'s per-launch table aside,
+    ``-notcx`` keeps the routed experts off ``triton_mma_experts``."""
     from benchmarks.decode import set_tile_tables, tile_table_defaults
     from model.kernels import tile_configs
 
     defaults = tile_table_defaults()
     try:
         set_tile_tables(["noshape"], defaults)
-        assert tile_configs._GEMV_BY_SHAPE == {} and tile_configs._MMA_GEMV_BY_SHAPE == {}
-        assert tile_configs.MMA_GEMV_MIN_TOKENS == defaults["MMA_GEMV_MIN_TOKENS"]
-        set_tile_tables(["tc1", "eager"], defaults)  # (a suffix of no table changes none)
-        assert (tile_configs.MMA_GEMV_MIN_TOKENS, tile_configs.MMA_GEMV_MAX_TOKENS) == (1, 8)
-        assert tile_configs._MMA_GEMV_BY_SHAPE is defaults["_MMA_GEMV_BY_SHAPE"]
-        assert tile_configs.MMA_GEMV_RING is True
-        set_tile_tables(["noring"], defaults)  # the ring's configs with the weight in registers
-        assert tile_configs.MMA_GEMV_RING is False
-        assert tile_configs._MMA_GEMV_BY_SHAPE is defaults["_MMA_GEMV_BY_SHAPE"]
+        assert tile_configs._GEMV_BY_SHAPE == {}
+        assert tile_configs.MMA_EXPERTS_MAX_PAIRS == defaults["MMA_EXPERTS_MAX_PAIRS"]
+        set_tile_tables(["notcx", "sort", "eager"], defaults)  # (a suffix of no table changes none)
+        assert (tile_configs.MMA_EXPERTS_MAX_PAIRS, tile_configs.MMA_EXPERTS_UNSORTED_PAIRS) == (0.0, 0)
+        assert tile_configs._GEMV_BY_SHAPE is defaults["_GEMV_BY_SHAPE"]
+        assert tile_configs.ROUND_TRIP_IN_PRODUCERS is True
+        set_tile_tables(["noready"], defaults)  # every product rounds its own input
+        assert tile_configs.ROUND_TRIP_IN_PRODUCERS is False
+        assert tile_configs.MMA_EXPERTS_MAX_PAIRS == defaults["MMA_EXPERTS_MAX_PAIRS"]
         set_tile_tables([], defaults)
         assert tile_table_defaults() == defaults
     finally:

@@ -3,8 +3,8 @@ through FP8 themselves, and the linear skips its own launch for that.
 
 Without a GPU these run in Triton's interpreter (``conftest.py`` sets ``TRITON_INTERPRET``). Every check
 is bit for bit: a producer's round trip must equal ``fp8_qdq`` of its plain output, and a product of
-FP8-ready rows must equal the product of the plain rows, at every size (the matrix-vector forms, which
-round inside the product and get plain rows; the decode and prefill forms, which get the round trip).
+FP8-ready rows must equal the product of the plain rows, at every size (the matrix-vector form, which
+rounds inside the product and gets plain rows; the decode and prefill forms, which get the round trip).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from model.config import WeightFormat  # noqa: E402
-from model.kernels import tile_configs, triton_decode_mm  # noqa: E402
+from model.kernels import triton_decode_mm  # noqa: E402
 from model.kernels.triton_backend import TritonKernels, matrix_vector_kernel  # noqa: E402
 from model.quant import fp8_qdq  # noqa: E402
 from tests.kernel_checks import device  # noqa: E402
@@ -74,15 +74,13 @@ def test_decode_form_writes_the_round_trip_of_its_output(max_splits, monkeypatch
     assert same_bits(rounded, fp8_qdq(plain.cpu(), 32))
 
 
-@pytest.mark.parametrize("m,batch_invariant,tensor_core_tokens",
-                         [(2, False, 0), (5, False, 0), (5, False, 8), (12, False, 0), (12, True, 0), (300, False, 0)])
-def test_fp8_ready_rows_give_every_product_the_same_bits(m, batch_invariant, tensor_core_tokens, monkeypatch):
+@pytest.mark.parametrize("m,batch_invariant", [(2, False), (5, False), (12, False), (12, True), (300, False)])
+def test_fp8_ready_rows_give_every_product_the_same_bits(m, batch_invariant, monkeypatch):
     """What the model does with them: the attention's and the FFN's normed rows into a pair of projections,
-    the SwiGLU into the down projection, the grouped ``wo_a`` into ``wo_b``. 2 tokens: ``triton_gemv``, and
-    5 with 3-8 tokens on ``triton_mma_gemv`` (``tensor_core_tokens``; both round inside the product: the rows
-    stay plain); 5 and 12: the decode form (12: the prefill form in the batch-invariant mode); 300: the
-    prefill form. Where the rows are the round trip, no launch of the decode form rounds them again."""
-    monkeypatch.setattr(tile_configs, "MMA_GEMV_MAX_TOKENS", tensor_core_tokens)
+    the SwiGLU into the down projection, the grouped ``wo_a`` into ``wo_b``. 2 tokens: ``triton_gemv`` (it
+    rounds inside the product: the rows stay plain); 5 and 12: the decode form (12: the prefill form in the
+    batch-invariant mode); 300: the prefill form. Where the rows are the round trip, no launch of the decode
+    form rounds them again."""
     gen = torch.Generator().manual_seed(m)
     kernels = TritonKernels(batch_invariant=batch_invariant)
     x = wide_rows(m, 256, gen)

@@ -32,13 +32,13 @@ def test_kernel_benchmark_and_tile_sweep_run_on_the_tiny_shapes(tmp_path):
     assert {r["kernel"] for r in doc["results"]} == {"attn.wkv", "moe.experts"}
     assert all(r["rel_err"] is not None and r["rel_err"] <= 1e-2 for r in doc["results"])
     tuned = {(e["kernel"], e["m"], e["table"]): e for e in doc["tune"]}
-    # the FP8 linear's one-token form at M = 1, swept again against the tensor-core form (which is not
-    # yet chosen by default); its decode form at 65 rows (up to 256). The experts likewise at
-    # M = 1 (0.25 pairs per expert), not at 65 (16 per expert: past the tensor-core kernels' blocks of 8)
-    assert set(tuned) == {("attn.wkv", 1, "gemv"), ("attn.wkv", 1, "mma_gemv"), ("attn.wkv", 65, "fp8_decode"),
+    # the FP8 linear's one-token form at M = 1, its decode form at 65 rows (up to 256). The experts at
+    # M = 1 (0.25 pairs per expert) both ways, at 65 (16 per expert: past the tensor-core kernels' blocks of
+    # 8) on triton_moe only
+    assert set(tuned) == {("attn.wkv", 1, "gemv"), ("attn.wkv", 65, "fp8_decode"),
                           ("moe.experts", 1, "moe"), ("moe.experts", 1, "mma_experts"), ("moe.experts", 65, "moe")}
     assert all("s" in c for e in tuned.values() for c in e["configs"])  # every candidate ran
-    for key in (("attn.wkv", 1, "mma_gemv"), ("attn.wkv", 65, "fp8_decode"),  # another summation order
+    for key in (("attn.wkv", 1, "gemv"), ("attn.wkv", 65, "fp8_decode"),  # another summation order
                 ("moe.experts", 1, "mma_experts")):
         assert all(c["rel_err_to_default"] <= 1e-2 for c in tuned[key]["configs"]), key
     for key in (("moe.experts", 65, "moe"),):  # batch invariant, as the backend's form
@@ -85,31 +85,6 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="in-process --de
 
 
 @CPU_ONLY
-def test_tensor_core_tokens_puts_the_few_token_products_on_the_tensor_core_kernel(monkeypatch, tmp_path):
-    """``--tensor-core-tokens N``: the run's FP8 products of ``MMA_GEMV_MIN_TOKENS`` (3) to N tokens take
-    ``triton_mma_gemv`` (every result still checked against the reference); with 0, none does; ``1-8``:
-    one and two tokens too."""
-    import benchmarks.kernels as script
-    from model.kernels import tile_configs, triton_mma_gemv
-
-    calls = []
-    real = triton_mma_gemv.fp8_mma_gemv
-    monkeypatch.setattr(triton_mma_gemv, "fp8_mma_gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
-    for switch in ("MMA_GEMV_MIN_TOKENS", "MMA_GEMV_MAX_TOKENS"):
-        monkeypatch.setattr(tile_configs, switch, getattr(tile_configs, switch))  # restored after
-    common = ["--device", "cpu", "--tiny", "--quick", "--kernels", "wkv", "--no-reference", "--m", "1,3"]
-    assert script.main(common + ["--tensor-core-tokens", "0", "--json", str(tmp_path / "off.json")]) == 0
-    assert calls == []
-    assert script.main(common + ["--tensor-core-tokens", "8", "--json", str(tmp_path / "on.json")]) == 0
-    assert calls and set(calls) == {3}
-    calls.clear()
-    assert script.main(common + ["--tensor-core-tokens", "1-8", "--json", str(tmp_path / "one.json")]) == 0
-    assert calls and set(calls) == {1, 3}
-    doc = json.loads((tmp_path / "on.json").read_text())
-    assert doc["error"] is None and all(r["rel_err"] <= 1e-2 for r in doc["results"])
-
-
-@CPU_ONLY
 def test_tensor_core_experts_puts_the_routed_experts_on_the_tensor_core_kernels(monkeypatch, tmp_path):
     """``--tensor-core-experts X``: the run's routed experts of at most X pairs per expert take
     ``triton_mma_experts`` (every result still checked against the reference); with 0, none does."""
@@ -146,34 +121,31 @@ def test_gemv_configs_are_read_in_the_tile_sweeps_form():
 
 def test_the_layer_launches_are_keyed_as_the_kernels_key_them():
     """``--tune-layer-gemv`` keys each launch of the layer graph by its output rows (a pair's rows
-    added, a grouped weight's groups x N) and K, as ``triton_gemv``, ``triton_mma_gemv`` and the decode form
-    look their configs up: a launch's own rows first (the first whose bound holds), then the table by M.
-    Inside ``override_tables(gemv=...)`` / ``(mma_gemv=...)`` / ``(fp8_decode=...)`` every shape takes that
-    config, and the launches' tables come back after."""
+    added, a grouped weight's groups x N) and K, as ``triton_gemv`` and the decode form look their configs
+    up: a launch's own rows first (the first whose bound holds), then the table by M. Inside
+    ``override_tables(gemv=...)`` / ``(fp8_decode=...)`` every shape takes that config, and the launches'
+    tables come back after."""
     from benchmarks.kernel_inputs import FLASH, LAYER_PAIRS, linear_specs
     from benchmarks.kernel_tune import override_tables
-    from benchmarks.layer_gemv_tune import (candidates, decode_candidates, launch_family, launch_key, mma_candidates,
-                                            ring_candidates, with_row)
+    from benchmarks.layer_gemv_tune import candidates, decode_candidates, launch_family, launch_key, with_row
     from model.kernels import tile_configs
 
     specs = linear_specs(FLASH)
     assert launch_key(specs, LAYER_PAIRS[0]) == (1280 + 512, 5120)  # wq_a with wkv
     assert launch_key(specs, ("attn.wo_a (grouped)",)) == (8 * 1024, 4096)
     assert all(cfg.num_stages > 1 and 32 % cfg.block_w == 0 for cfg in candidates())
-    assert all(cfg.block_w == 32 * cfg.num_warps for cfg in mma_candidates())
-    assert any(cfg.num_stages == 1 for cfg in mma_candidates())  # the registers' configs and the ring's
-    assert ring_candidates() and all(cfg.num_stages > 1 and cfg in mma_candidates() for cfg in ring_candidates())
     entry = tile_configs.DecodeConfig(16, 256, 2, 4, 2)
     forced = tile_configs.DecodeConfig(32, 256, 4, 3, 1)
     five_to_eight = tile_configs.DecodeConfig(64, 128, 2, 1, 2)
-    assert launch_family(1, False) == ("gemv", "_GEMV_BY_SHAPE")
+    assert launch_family(1, False) == launch_family(2, True) == ("gemv", "_GEMV_BY_SHAPE")
+    assert launch_family(3, False) == ("fp8_decode", "_FP8_DECODE_BY_SHAPE")  # from 3 tokens: the decode form
     assert launch_family(16, False) == ("fp8_decode", "_FP8_DECODE_BY_SHAPE")
     assert launch_family(16, True) == ("decode", "_DECODE_MM_BY_SHAPE")  # the grouped wo_a: decode_mm's table
     assert launch_family(128, False) == ("fp8_decode", "_FP8_DECODE_BY_SHAPE")
     assert launch_family(128, True) is None  # wo_a's prefill form above 64 tokens
     assert all(cfg.num_warps == 4 and cfg.block_w in (64, 128) for cfg in decode_candidates(16))
     assert all(cfg.block_w == 16 * cfg.num_warps and cfg.one_wave for cfg in decode_candidates(128))
-    saved = tile_configs._GEMV_BY_SHAPE, tile_configs._MMA_GEMV_BY_SHAPE, tile_configs._FP8_DECODE_BY_SHAPE
+    saved = tile_configs._GEMV_BY_SHAPE, tile_configs._FP8_DECODE_BY_SHAPE
     try:
         tile_configs._FP8_DECODE_BY_SHAPE = {(1792, 5120): ((16, forced),)}
         assert tile_configs.fp8_decode_config(16, 1792, 5120) == forced
@@ -186,27 +158,18 @@ def test_the_layer_launches_are_keyed_as_the_kernels_key_them():
             assert tile_configs.fp8_decode_config(16, 1792, 5120) == by_m
         assert tile_configs._FP8_DECODE_BY_SHAPE == {(1792, 5120): ((16, forced),)}
         tile_configs._GEMV_BY_SHAPE = {(1792, 5120): ((1, entry),)}
-        tile_configs._MMA_GEMV_BY_SHAPE = {(1792, 5120): ((4, forced), (8, five_to_eight))}
         assert tile_configs.gemv_config(1, 1792, 5120) == entry
         assert tile_configs.gemv_config(2, 1792, 5120) == tile_configs._pick(tile_configs._GEMV_TABLE, 2)
-        assert [tile_configs.mma_gemv_config(m, 1792, 5120) for m in (3, 4, 5, 8)] == [forced] * 2 + [five_to_eight] * 2
-        assert tile_configs.mma_gemv_config(8, 512, 5120) == tile_configs._pick(tile_configs._MMA_GEMV_TABLE, 8)
         with override_tables(gemv=forced):
             assert tile_configs.gemv_config(1, 1792, 5120) == forced
-        with override_tables(mma_gemv=entry):
-            assert tile_configs.mma_gemv_config(8, 1792, 5120) == entry
         with override_tables(gemv_by_shape={(512, 256): ((1, forced),)}):
             assert tile_configs.gemv_config(1, 512, 256) == forced
             assert tile_configs.gemv_config(1, 1792, 5120) == tile_configs._pick(tile_configs._GEMV_TABLE, 1)
-        with override_tables(mma_gemv_by_shape={(512, 256): ((8, forced),)}):
-            assert tile_configs.mma_gemv_config(8, 512, 256) == forced
-            assert tile_configs.mma_gemv_config(8, 1792, 5120) == tile_configs._pick(tile_configs._MMA_GEMV_TABLE, 8)
         assert with_row(((4, forced), (8, five_to_eight)), 4, entry) == ((4, entry), (8, five_to_eight))
         assert with_row(((8, five_to_eight),), 4, entry) == ((4, entry), (8, five_to_eight))  # before the 8-row
         assert tile_configs._GEMV_BY_SHAPE == {(1792, 5120): ((1, entry),)}
-        assert tile_configs._MMA_GEMV_BY_SHAPE == {(1792, 5120): ((4, forced), (8, five_to_eight))}
     finally:
-        tile_configs._GEMV_BY_SHAPE, tile_configs._MMA_GEMV_BY_SHAPE, tile_configs._FP8_DECODE_BY_SHAPE = saved
+        tile_configs._GEMV_BY_SHAPE, tile_configs._FP8_DECODE_BY_SHAPE = saved
 
 
 def test_layer_table_shows_the_graph_with_inputs_in_l2_where_it_ran():

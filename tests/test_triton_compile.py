@@ -114,7 +114,7 @@ def _dependent_launch_problems(ptx: str, prefetch: bool) -> list[str]:
 
 def _lane_tensors_problems(ttgir: str, warps: int) -> list[str]:
     """Problems if an inline assembly that reads the lane id or runs a warp's tensor-core instruction
-    (``triton_mma_gemv``) works on a tensor other than one element per thread: such a kernel computes
+    (``triton_mma_experts``) works on a tensor other than one element per thread: such a kernel computes
     each thread's addresses from its hardware lane id and needs all 32 lanes in the instruction."""
     layouts = dict(re.findall(r"^(#\w+) = (#ttg\.blocked<.*>)$", ttgir, flags=re.M))
     one_each = f"sizePerThread = [1], threadsPerWarp = [32], warpsPerCTA = [{warps}], order = [0]"
@@ -138,21 +138,19 @@ def main() -> int:
     from model.cache_formats import COMPRESSED_KV, INDEX_KEYS, WINDOW_KV
     from model.kernels import (tile_configs, triton_align_pairs, triton_bf16_mm, triton_cache_codec,
                                triton_decode_mm, triton_engram, triton_gemv, triton_greedy, triton_mma_experts,
-                               triton_mma_gemv, triton_join_lists, triton_fp4_round_trip, triton_hc_coefficients,
-                               triton_index_scores, triton_mhc, triton_moe, triton_moe_sum, triton_ngram_hash,
-                               triton_ring_mma_gemv, triton_rms_norm, triton_rope, triton_route, triton_scaled_mm,
-                               triton_sinkhorn, triton_sparse_attention, triton_sublayer_input, triton_top_entries,
-                               triton_window_kv)
-    from model.kernels.triton_gluon import GluonASTSource
+                               triton_join_lists, triton_fp4_round_trip, triton_hc_coefficients, triton_index_scores,
+                               triton_mhc, triton_moe, triton_moe_sum, triton_ngram_hash, triton_rms_norm, triton_rope,
+                               triton_route, triton_scaled_mm, triton_sinkhorn, triton_sparse_attention,
+                               triton_sublayer_input, triton_top_entries, triton_window_kv)
 
     hopper = GPUTarget("cuda", 90, 32)
 
     def check(label: str, fn, types: dict[str, str], constants: dict, cfg=None, wgmma: bool = True,
               options: dict | None = None, aligned: tuple[str, ...] = (), spill_free: bool = False,
-              inspect=None, pdl: bool = False, prefetch: bool = False, gluon: bool = False) -> None:
+              inspect=None, pdl: bool = False, prefetch: bool = False) -> None:
         """``pdl``: compiled for programmatic dependent launch (its ``PDL`` and ``launch_pdl`` set together,
         as ``triton_dependent_launch.launch_arguments`` sets them), its PTX checked for the order of its
-        wait (``prefetch``: it loads weights before it); ``gluon``: a Gluon kernel (``triton_gluon``)."""
+        wait (``prefetch``: it loads weights before it)."""
         signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
         if options is None:
             options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages} if cfg else {"num_warps": 4}
@@ -161,8 +159,7 @@ def main() -> int:
             options = {**options, "launch_pdl": pdl}
             label += f" pdl={pdl}"
         attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-        source = GluonASTSource(fn, signature, constexprs=constants, attrs=attrs) if gluon else \
-            ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
+        source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
         kernel = triton.compile(source, target=hopper, options=options)
         problems = []
         if wgmma and "wgmma" not in kernel.asm["ptx"]:
@@ -291,14 +288,6 @@ def main() -> int:
     def streamed_by_tma(kernel) -> list[str]:
         return [] if "UTMALDG" in kernel.asm["sass"] else ["no tensor-memory-accelerator load"]
 
-    def ring_fed(kernel) -> list[str]:
-        """A ring that feeds ``mma.sync``: TMA loads, 8-byte reads of shared memory, the m16n8k16 product."""
-        sass = kernel.asm["sass"]
-        return [problem for problem, found in (("no tensor-memory-accelerator load", "UTMALDG" in sass),
-                                               ("no 8-byte shared-memory read", re.search(r"LDS\.64", sass)),
-                                               ("no HMMA.16816.F32 tensor-core instruction", "HMMA.16816.F32" in sass))
-                if not found]
-
     # the tables' configs (by M, with the token counts each takes; by a launch's shape, up to its bound) and
     # the one of weights the accelerator cannot stream (any token count)
     gemv_configs, fewer = {}, 0
@@ -328,49 +317,6 @@ def main() -> int:
                   aligned=("x_ptr", "w_ptr", "s_ptr", "w2_ptr", "s2_ptr", "out_ptr", "part_ptr", "K", "k_per_split",
                            "stride_os", "stride_x", "width"),
                   spill_free=True, pdl=pdl, prefetch=True, inspect=streamed_by_tma if ring else None)
-    other_steps = [replace(cfg, block_k=k) for _, cfg in tile_configs._MMA_GEMV_TABLE[:1] for k in (32, 64, 128)
-                   if k != cfg.block_k]  # the sweep's other steps
-    launch_configs = [cfg for launch_rows in tile_configs._MMA_GEMV_BY_SHAPE.values() for _, cfg in launch_rows]
-    kernels = {(cfg.block_w, cfg.block_k, cfg.num_warps): cfg  # (programs per SM do not change the kernel)
-               for cfg in [cfg for _, cfg in tile_configs._MMA_GEMV_TABLE] + launch_configs + other_steps}
-    for cfg in kernels.values():
-        # (the activation tile's rows: 3-4 tokens take 4, 5-8 take 8)
-        for tokens, quantize, partial, pdl in ((4, True, True, False), (4, True, False, False), (8, True, True, False),
-                                               (4, False, True, False), (4, True, True, True)):
-            check(f"fp8_mma_gemv tokens={tokens} quantize={quantize} partial={partial} {cfg}",
-                  triton_mma_gemv._fp8_mma_gemv_kernel,
-                  {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "w2_ptr": "*u8", "s2_ptr": "*u8",
-                   "out_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32", "act_ptr": "*fp16",
-                   "act_scale_ptr": "*fp32", **scalars("M N N2 stride_x k_per_split splits width")},
-                  {"K": 5120, "TOKENS": tokens, "WARPS": cfg.num_warps, "STEP_BLOCKS": cfg.block_k // 32,
-                   "PREP_BLOCKS": triton_mma_gemv.PREP_BLOCKS, "QUANTIZE": quantize, "PARTIAL": partial,
-                   "INTERPRETED": False}, cfg, wgmma=False,
-                  aligned=("x_ptr", "w_ptr", "s_ptr", "w2_ptr", "s2_ptr", "out_ptr", "part_ptr", "act_ptr",
-                           "act_scale_ptr", "N", "N2", "stride_x", "k_per_split", "width"),
-                  spill_free=True, inspect=register_fed(cfg.num_warps, "HMMA.16816.F32"), pdl=pdl, prefetch=True)
-    # the same configs with a ring (triton_ring_mma_gemv, a Gluon kernel): the tables' and a shallow and a deep
-    # one of each step the sweep tries
-    ring_configs = {(cfg.block_w, cfg.block_k, cfg.num_warps, cfg.num_stages): cfg for cfg in
-                    [cfg for _, cfg in tile_configs._MMA_GEMV_TABLE] + launch_configs if cfg.num_stages > 1}
-    for cfg in list(kernels.values()):
-        for stages in (2, 4):
-            ring_configs.setdefault((cfg.block_w, cfg.block_k, cfg.num_warps, stages), replace(cfg, num_stages=stages))
-    for cfg in ring_configs.values():
-        ring_layout, words_layout = triton_ring_mma_gemv.ring_layouts(cfg.block_k // 32)
-        box = f"tensordesc<u8[{cfg.block_w},{cfg.block_k}],{ring_layout!r}>"
-        for tokens, quantize, partial, pdl in ((4, True, False, False), (8, False, True, True)):
-            check(f"fp8_ring_mma_gemv tokens={tokens} quantize={quantize} partial={partial} {cfg}",
-                  triton_ring_mma_gemv._ring_mma_gemv_kernel,
-                  {"w_desc": box, "w2_desc": box, "s_ptr": "*u8", "s2_ptr": "*u8", "x_ptr": "*bf16",
-                   "out_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32", "act_ptr": "*fp16",
-                   "act_scale_ptr": "*fp32", **scalars("M N N2 stride_x k_per_split splits width")},
-                  {"K": 5120, "TOKENS": tokens, "WARPS": cfg.num_warps, "STEP_BLOCKS": cfg.block_k // 32,
-                   "STAGES": cfg.num_stages, "PREP_BLOCKS": triton_mma_gemv.PREP_BLOCKS, "QUANTIZE": quantize,
-                   "PARTIAL": partial, "RING_LAYOUT": ring_layout, "WORDS_LAYOUT": words_layout},
-                  options={"num_warps": cfg.num_warps}, wgmma=False, gluon=True,
-                  aligned=("s_ptr", "s2_ptr", "x_ptr", "out_ptr", "part_ptr", "act_ptr", "act_scale_ptr", "N",
-                           "N2", "stride_x", "k_per_split", "width"),
-                  spill_free=True, inspect=ring_fed, pdl=pdl, prefetch=True)
     experts_cfg = tile_configs._MMA_EXPERTS_TABLE[0][1]
     for cfg in (experts_cfg, replace(experts_cfg, num_warps=1)):  # (the check ignores types a kernel lacks)
         experts_sizes = {"D": 5120, "INTER": 2304, "WARPS": cfg.num_warps, "INTERPRETED": False}

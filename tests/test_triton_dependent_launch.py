@@ -37,14 +37,13 @@ def test_the_flag_needs_the_triton_kernels(tiny_checkpoint):
 def test_the_backend_passes_it_to_every_kernel_that_takes_it(monkeypatch):
     """Every method whose kernels take it, with and without: every launcher is asked for it exactly when
     the backend has it, and the outputs are the same bits (in the interpreter the kernels then run
-    without it; on a GPU with it). One token's products and pairs, the grouped ``wo_a``, a few tokens'
-    products, the decode form's (a product, a pair, the grouped ``wo_a`` with its round trip), RMSNorm, a
+    without it; on a GPU with it). One token's products and pairs, the grouped ``wo_a``, the decode form's
+    (a product of 3 and of 12 tokens, a pair, the grouped ``wo_a`` with its round trip), RMSNorm, a
     sub-layer's input, SwiGLU and the experts' chain on the tensor cores (with and without the pair sort)."""
     pytest.importorskip("triton")
     from model.config import WeightFormat
-    from model.kernels import (ExpertWeights, tile_configs, triton_align_pairs, triton_decode_mm, triton_gemv,
-                               triton_mma_experts, triton_mma_gemv, triton_moe_sum, triton_rms_norm, triton_scaled_mm,
-                               triton_sublayer_input)
+    from model.kernels import (ExpertWeights, triton_align_pairs, triton_decode_mm, triton_gemv, triton_mma_experts,
+                               triton_moe_sum, triton_rms_norm, triton_scaled_mm, triton_sublayer_input)
     from model.kernels.triton_backend import TritonKernels
     from tests.kernel_checks import device
     from tests.test_triton_kernels import random_weight
@@ -57,9 +56,8 @@ def test_the_backend_passes_it_to_every_kernel_that_takes_it(monkeypatch):
         weight.values, weight.scales = weight.values.to(to), weight.scales.to(to)
     experts = usual.prepare_experts(ExpertWeights(*(random_weight(WeightFormat.FP4, 128, 128, gen, experts=4)
                                                     for _ in range(3)), first_expert=0, swiglu_limit=7.0)).to(to)
-    monkeypatch.setattr(tile_configs, "MMA_GEMV_MAX_TOKENS", 8)  # a few tokens' products on triton_mma_gemv too
-    x = torch.randn(tile_configs.MMA_GEMV_MIN_TOKENS, 128, generator=gen).bfloat16().to(to)
-    decode_rows = torch.randn(tile_configs.MMA_GEMV_MAX_TOKENS + 4, 128, generator=gen).bfloat16().to(to)
+    x = torch.randn(triton_gemv.MAX_TOKENS + 1, 128, generator=gen).bfloat16().to(to)  # the decode form's fewest
+    decode_rows = torch.randn(12, 128, generator=gen).bfloat16().to(to)
     stream = torch.randn(len(x), 4, 128, generator=gen).bfloat16().to(to)
     mix = torch.rand(len(x), 4, generator=gen).to(to)
     norm = torch.randn(128, generator=gen).bfloat16().to(to)  # (a model weight: read before the wait)
@@ -75,7 +73,7 @@ def test_the_backend_passes_it_to_every_kernel_that_takes_it(monkeypatch):
              lambda k: k.swiglu(x[:, :64], x[:, 64:], 7.0), lambda k: k.expert_outputs(x, *pairs, experts),
              lambda k: k.expert_outputs(x, *sorted_pairs, experts)]
     asked = []  # (launcher's module, whether it was asked for dependent launch)
-    launchers = (triton_gemv, triton_mma_gemv, triton_decode_mm, triton_mma_experts, triton_scaled_mm,
+    launchers = (triton_gemv, triton_decode_mm, triton_mma_experts, triton_scaled_mm,
                  triton_align_pairs, triton_rms_norm, triton_sublayer_input, triton_moe_sum)
     for module in launchers:
         real = module.launch_arguments
@@ -109,8 +107,8 @@ def _chain_outputs(kernels, x: torch.Tensor, weights) -> list[torch.Tensor]:
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 12, 64])  # triton_gemv (one or two rows); triton_mma_gemv; the
-@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])  # decode form with its split sums
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 12, 64])  # triton_gemv (one or two rows); the decode form
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])  # with its split sums
 def test_chained_products_give_the_same_bits_with_dependent_launch(tokens, graph):
     from benchmarks.kernel_inputs import fp8_weight  # outputs of about the inputs' magnitude
     from model.kernels.triton_backend import TritonKernels

@@ -136,13 +136,12 @@ def test_backend_runs_two_projections_of_one_token_together(monkeypatch):
                 assert got.shape == alone.shape and torch.equal(got, alone)
 
 
-def test_backend_sends_two_tokens_to_the_vector_kernel_below_the_tensor_cores(monkeypatch):
-    """With ``tile_configs.MMA_GEMV_MIN_TOKENS`` above two, two tokens' FP8 products take ``triton_gemv``
-    (two projections of them in one launch, the grouped ``wo_a`` too), each row with its one-token bits."""
+def test_backend_sends_two_tokens_to_the_vector_kernel(monkeypatch):
+    """Two tokens' FP8 products take ``triton_gemv`` (two projections of them in one launch, the grouped
+    ``wo_a`` too), each row with its one-token bits."""
     from model.kernels.triton_backend import TritonKernels
 
     _config(monkeypatch, 16, 128, 1)
-    monkeypatch.setattr(tile_configs, "MMA_GEMV_MIN_TOKENS", 3)
     gen = torch.Generator().manual_seed(8)
     weights = [random_weight(WeightFormat.FP8, n, 256, gen).to(device()) for n in (64, 96)]
     grouped = random_weight(WeightFormat.FP8, 3 * 64, 256, gen).to(device())

@@ -84,7 +84,7 @@ class DecodeConfig:
 
 
 # a launch's ``(output rows, K)`` -> its own table (rows of ``(largest M, config)``), read before the table by
-# M (``decode_mm_config``, ``fp8_decode_config``, ``gemv_config``, ``mma_gemv_config``)
+# M (``decode_mm_config``, ``fp8_decode_config``, ``gemv_config``)
 LaunchTables = dict[tuple[int, int], tuple[tuple[int, DecodeConfig], ...]]
 
 
@@ -198,77 +198,17 @@ def gemv_config(m: int, rows: int = 0, k: int = 0) -> DecodeConfig:
     return _pick_for_launch(_GEMV_BY_SHAPE, _GEMV_TABLE, m, rows, k)
 
 
-# The FP8 products of MMA_GEMV_MIN_TOKENS to MMA_GEMV_MAX_TOKENS tokens take ``triton_mma_gemv`` (the tensor
-# cores fed from registers) outside the batch-invariant mode. A layer's FP8 projections in one CUDA graph
-# on one H200 (``benchmarks/kernels.py --tensor-core-tokens 0`` / ``8``; docs/benchmarks.md): at 2 / 4 / 8
-# tokens 99.8 / 102.8 / 127.1 us instead of the decode form's 128.1 / 130.8 / 134.2 us; at one token
-# 98.9 us against ``triton_gemv``'s 74.2 us, so one token keeps ``triton_gemv``. Restructured (its first
-# step's weight loaded before the activation's preparation, steps of 1 / 2 / 4 blocks): 100.5 / 101.0 /
-# 119.9 us at 2 / 4 / 8 tokens; at one token 95.9 us against 74.1, and none of the sweep's 36 configs
-# beat ``triton_gemv`` on any projection. Once ``triton_gemv`` took two rows (each weight word expanded once
-# for both), two tokens left this kernel too: on one H100, with PDL, 85.4 µs against its 113.9 (88.0
-# against 116.8 without; ``--tensor-core-tokens 3-8`` against the default, docs/benchmarks.md).
-# Then the decode form folded both scales into its bf16 operands and got FP8-ready rows, and it overtook this
-# kernel: on one H100 a layer's FP8 projections in one graph took 95.9 / 96.1 / 96.0 / 96.4 µs at 3 / 5 / 6 /
-# 8 tokens in the decode form against 96.7 at 4 and 110.3 at 8 here, and the engine's decode steps (8
-# real-width layers) 4.04 / 5.44 ms at batch 4 / 8 against 4.10 / 5.56 (docs/benchmarks.md). So no tokens take
-# it by default (MMA_GEMV_MAX_TOKENS 0); ``--tensor-core-tokens 8`` (``benchmarks/kernels.py``) and ``-tc``
-# (``benchmarks/decode.py``) put 3-8 tokens back on it, for the comparison on other GPUs
-MMA_GEMV_MIN_TOKENS = 3
-MMA_GEMV_MAX_TOKENS = 0
-
-# ``triton_mma_gemv``'s configs with a ring (``num_stages`` > 1) stream the weight through shared memory
-# (``triton_ring_mma_gemv``) on GPUs that have the tensor memory accelerator; off: every config's ring is
-# set aside and the weight comes into registers (the benchmarks' comparison)
-MMA_GEMV_RING = True
+# Outside the batch-invariant mode the FP8 linears of one or two tokens take ``triton_gemv``, those of 3 to
+# 256 tokens the decode form (``triton_decode_mm``; the grouped ``wo_a`` up to 64) and larger ones the prefill
+# form (``triton_bf16_mm``). At 3-8 tokens the decode form, with both scales folded into its bf16 operands and
+# FP8-ready rows, measured faster than the tensor cores fed from registers on one H100 (a layer's FP8
+# projections in one graph: 96.4 against 110.3 µs at 8 tokens; docs/benchmarks.md)
 
 # FP8-ready rows (``backend.py``): the kernels that make the input of a quantized linear of the decode or
 # prefill form (from 3 tokens on: RMSNorm, the SwiGLU, the grouped ``wo_a``'s split sums) round it through
 # FP8 themselves, and the product skips its own round trip's launch; off: every product rounds its own input
 # (the benchmarks' comparison)
 ROUND_TRIP_IN_PRODUCERS = True
-
-# (largest M, config): ``triton_mma_gemv``. ``block_w`` is the program's weight rows (32 per warp,
-# ``num_warps`` warps), ``block_k`` its loop step, one, two or four 32-column blocks (its splits are
-# whole steps). Up to 4 tokens: with one block per step a warp keeps 1 KB of loads in flight, and an H200
-# SM needs ~25 KB in flight to stream at full bandwidth, so enough splits for 8 programs of 4 warps per SM
-# (56-64 registers per thread under the GPU's Triton 3.6: 8 such programs fit). From 5 tokens on, four
-# blocks per step and splits for 4 programs per SM (110 registers at 8 tokens: 4 fit; 134 and 3 before the
-# activation's preparation took 16 blocks a step, ``triton_mma_gemv.PREP_BLOCKS``): the activation's preparation
-# and the split sums, which grow with the tokens, are paid over fewer, longer programs. A layer's
-# projections in one graph on one H200 (docs/benchmarks.md), this config against the other, without PDL:
-# 106.9 / 108.0 / 110.5 µs against 113.1 / 115.1 / 120.8 at 5 / 6 / 8 tokens, but 107.0 / 107.9 against
-# 100.5 / 101.9 at 3 / 4 (``--tune --m 8`` found it, per projection, among the 36 configs of the sweep)
-_MMA_GEMV_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
-    (4, DecodeConfig(128, 32, 4, 1, 8)),
-    (8, DecodeConfig(128, 128, 4, 1, 4)),
-)
-
-
-# A launch's own rows, read before the table above, as ``_GEMV_BY_SHAPE`` is for ``triton_gemv``: the
-# picks of ``benchmarks/kernels.py --tune-layer-gemv --m 4,8`` (each launch of a V4.1-Flash layer timed
-# alone under 14 candidates) on one H100. The layer graph there, without / with PDL: 109.2 / 102.1 µs at 3
-# tokens against 117.4 / 121.7 with the table alone, 110.4 / 103.5 against 118.8 / 123.8 at 4, 116.2 /
-# 109.2 against 119.6 / 113.4 at 5, 120.0 / 113.4 against 123.7 / 118.0 at 8 (docs/benchmarks.md). Then
-# the same sweep over configs with a ring (``triton_ring_mma_gemv``, ``layer_gemv_tune.ring_candidates``),
-# each against these rows, on one H100: the rows with ``num_stages`` > 1 won. The layer graph without PDL
-# went 110.6 -> 104.7 µs at 4 tokens and 119.3 -> 114.3 at 8; ``wq_a`` with ``wkv`` and the shared ``w2``
-# kept their registers (docs/benchmarks.md). Neither sweep has run on an H200
-_MMA_GEMV_BY_SHAPE: LaunchTables = {
-    (1792, 5120): ((4, DecodeConfig(128, 128, 4, 1, 3)),),  # wq_a with wkv
-    # wq_b with the indexer's
-    (36864, 1280): ((4, DecodeConfig(128, 128, 4, 2, 2)), (8, DecodeConfig(256, 128, 8, 2, 1))),
-    (8192, 4096): ((4, DecodeConfig(128, 128, 4, 2, 3)), (8, DecodeConfig(128, 128, 4, 2, 2))),  # wo_a (8 groups)
-    (5120, 8192): ((8, DecodeConfig(128, 64, 4, 4, 4)),),  # wo_b
-    (4608, 5120): ((4, DecodeConfig(128, 128, 4, 2, 3)),),  # the shared w1 with w3 (5-8 tokens: the table's row)
-    (5120, 2304): ((4, DecodeConfig(128, 128, 4, 1, 4)),),  # the shared w2 (5-8 tokens: the table's row)
-}
-
-
-def mma_gemv_config(m: int, rows: int = 0, k: int = 0) -> DecodeConfig:
-    """``triton_mma_gemv``'s config for ``m`` tokens times ``rows`` output rows of K = ``k`` (one launch)."""
-    return _pick_for_launch(_MMA_GEMV_BY_SHAPE, _MMA_GEMV_TABLE, m, rows, k)
-
 
 # The routed experts take ``triton_mma_experts`` (the tensor cores fed from registers, blocks of 8 pairs)
 # outside the batch-invariant mode while a step has at most this many pairs per expert on average; 0:

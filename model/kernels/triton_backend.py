@@ -20,7 +20,7 @@ from .reference import ReferenceKernels
 from .triton_bf16_mm import BLOCK_K as BF16_MM_BLOCK_K
 from .triton_bf16_mm import bf16_mm
 from .triton_decode_mm import decode_mm, fp8_decode_mm
-from . import tile_configs, triton_gemv, triton_mma_experts, triton_mma_gemv, triton_rms_norm, triton_window_kv
+from . import tile_configs, triton_gemv, triton_mma_experts, triton_rms_norm, triton_window_kv
 from .triton_moe import BLOCK_K as MOE_BLOCK_K
 from .triton_moe import fused_experts
 from .triton_moe_sum import moe_sum, swiglu
@@ -39,14 +39,10 @@ from .triton_top_entries import top_entries
 from .weights import ExpertWeights, QuantizedWeight
 
 
-def matrix_vector_kernel(m: int, eight_byte_aligned: bool = True):
+def matrix_vector_kernel(m: int):
     """The kernel module that takes the FP8 products of ``m`` tokens in the matrix-vector form, outside the
-    batch-invariant mode: ``triton_mma_gemv`` from ``tile_configs.MMA_GEMV_MIN_TOKENS`` to
-    ``MMA_GEMV_MAX_TOKENS`` tokens (weights starting on 8 bytes), else ``triton_gemv`` up to its
-    ``MAX_TOKENS``; None: the decode or prefill form. The benchmarks ask it which table a size reads."""
-    if eight_byte_aligned and \
-            tile_configs.MMA_GEMV_MIN_TOKENS <= m <= min(tile_configs.MMA_GEMV_MAX_TOKENS, triton_mma_gemv.MAX_TOKENS):
-        return triton_mma_gemv
+    batch-invariant mode: ``triton_gemv`` up to its ``MAX_TOKENS``; None: the decode or prefill form. The
+    benchmarks ask it which table a size reads."""
     return triton_gemv if 1 <= m <= triton_gemv.MAX_TOKENS else None
 
 
@@ -55,12 +51,9 @@ class TritonKernels(KernelBackend):
     ``triton_bf16_mm``); otherwise the FP8 products of one or two tokens take the matrix-vector form
     (``triton_gemv``, two projections of one input in one launch) and the others the split-K decode form
     (``triton_decode_mm``) up to ``tile_configs.decode_form_max_tokens`` (the FP8 linears: 256 tokens;
-    ``wo_a`` and the head: 64); the tensor cores fed from registers (``triton_mma_gemv``) take those of
-    ``tile_configs.MMA_GEMV_MIN_TOKENS`` to ``MMA_GEMV_MAX_TOKENS`` tokens, none by default (the decode
-    form measured faster);
-    the routed experts of a step with up to ``tile_configs.MMA_EXPERTS_MAX_PAIRS`` pairs per expert take
-    ``triton_mma_experts``, all others ``triton_moe``. The sparse attention is one launch per layer
-    (``triton_sparse_attention``), where its torch twin takes ~120 small kernels; mHC's coefficients
+    ``wo_a`` and the head: 64); the routed experts of a step with up to ``tile_configs.MMA_EXPERTS_MAX_PAIRS``
+    pairs per expert take ``triton_mma_experts``, all others ``triton_moe``. The sparse attention is one
+    launch per layer (``triton_sparse_attention``), where its torch twin takes ~120 small kernels; mHC's coefficients
     take two (``triton_hc_coefficients``) instead of ~140; the window's KV rows one (``triton_window_kv``:
     RMSNorm, RoPE and the FP8 round trip); a sub-layer's input one (``triton_sublayer_input``: mHC's
     collapse and the RMSNorm); RMSNorm, RoPE, the FP8/FP4 round trips, mHC's expand, the shared expert's
@@ -92,18 +85,14 @@ class TritonKernels(KernelBackend):
         if self.batch_invariant or not all(
                 w.fmt is WeightFormat.FP8 and triton_gemv.fits(w.values, w.scales) for w in weights):
             return None
-        # (triton_mma_gemv loads 8 bytes at a time; a view into a larger buffer may start anywhere)
-        kernel = matrix_vector_kernel(m, eight_byte_aligned=all(w.values.data_ptr() % 8 == 0 for w in weights))
-        if kernel is triton_mma_gemv:
-            return triton_mma_gemv.fp8_mma_gemv
-        return triton_gemv.fp8_gemv if kernel is triton_gemv else None
+        return triton_gemv.fp8_gemv if matrix_vector_kernel(m) is triton_gemv else None
 
     def _rounds_apart(self, m: int) -> bool:
         """Whether the quantized linears of ``m`` rows round their activation in a launch of their own (the
-        decode and prefill forms; the matrix-vector forms round it inside the product): then FP8-ready rows
+        decode and prefill forms; the matrix-vector form rounds it inside the product): then FP8-ready rows
         (``backend.py``) are the round trip, made by the kernel that makes the rows, and those linears skip
         that launch. (A product of few rows that takes the decode form all the same, a weight the
-        matrix-vector forms do not fit, gets plain rows and rounds them itself; so does every product with
+        matrix-vector form does not fit, gets plain rows and rounds them itself; so does every product with
         ``tile_configs.ROUND_TRIP_IN_PRODUCERS`` off.)"""
         return tile_configs.ROUND_TRIP_IN_PRODUCERS and (self.batch_invariant or matrix_vector_kernel(m) is None)
 

@@ -26,7 +26,7 @@ reads its config from the table by M, or from its own rows by shape (``tile_conf
   tokens (``docs/benchmarks.md``).
   Two projections of one input (``quantized_linears``: ``wq_a`` and ``wkv``, the two ``wq_b``, the
   shared expert's ``w1`` and ``w3``) take one round trip and one launch: the second weight's row tiles
-  follow the first's in the grid, its outputs the first's columns, as in the matrix-vector forms.
+  follow the first's in the grid, its outputs the first's columns, as in the matrix-vector form (``triton_gemv``).
 * ``decode_mm``: the other bf16-operand products (the grouped ``wo_a`` with its bf16 activation,
   the bf16 head), what ``triton_bf16_mm.bf16_mm`` computes, with the weight tile expanded to bf16;
   ``round_trip``: the output's FP8 round trip instead, taken where the splits are added (``wo_a``'s

@@ -27,12 +27,12 @@ A kernel launched without the attribute (a torch kernel, say) after one that let
 simply waits for it to complete, as always; the instructions are no-ops when the kernel was not
 launched with the attribute, so the same compiled kernel is correct either way.
 
-Used by the decode-sized products, which load their first weights before the wait (``triton_mma_gemv``,
-and ``triton_gemv`` when its weight goes through registers; through its ring in shared memory, the
-default, it fetches the ring's first steps into L2 before the wait instead, ``fetch_into_l2``, since the
-ring's copies are the compiler's pipeline, which starts after the wait, and it lets the next kernel
-start only once its weight is streamed; so does the decode form of 3-256 tokens, ``triton_decode_mm``,
-whose split sums wait first), by the routed experts' chain on the tensor cores
+Used by the decode-sized products, which load their first weights before the wait (``triton_gemv``
+when its weight goes through registers; through its ring in shared memory, the default, it fetches
+the ring's first steps into L2 before the wait instead, ``fetch_into_l2``, since the ring's copies are
+the compiler's pipeline, which starts after the wait, and it lets the next kernel start only once its
+weight is streamed; so does the decode form of 3-256 tokens, ``triton_decode_mm``, whose split sums
+wait first), by the routed experts' chain on the tensor cores
 (``triton_mma_experts``: the activation's quantization, the pairs' sort, gate/up and down; which weights
 they read depends on the routing, so after a sort they only overlap their launches, and without one
 they load their first weights early as above) and by the small kernels a decode step runs right before

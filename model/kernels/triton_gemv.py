@@ -52,8 +52,8 @@ tile to arrive adds the tile's fp32 partials in split order and rounds once (``t
 the same bits whichever program comes last), so a product is one launch.
 Two rows (``TOKENS`` = 2) read the same weight bytes: each step's words are expanded once and multiplied
 into each row's own sums (a tuple of sums per row), so the second token costs its products, not the
-stream (on one H100 a layer's nine projections took 85.4 µs at two tokens, 75.4 at one, 113.9 on the
-tensor cores' ``triton_mma_gemv``). Each row's sums run in the one-row order, so a row gets its one-token
+stream (on one H100 a layer's nine projections took 85.4 µs at two tokens, 75.4 at one, 113.9 at two on a
+tensor-core kernel fed from registers). Each row's sums run in the one-row order, so a row gets its one-token
 bits (tested); one row compiles to the code it had before there were more.
 Not batch invariant (the split depends on the shape): used only outside ``--batch-invariant``, like
 ``triton_decode_mm``.
@@ -77,9 +77,9 @@ from .triton_split_sums import last_to_arrive, reset_counter, split_counters, su
 from .triton_weight_tiles import e4m3_words_to_f32
 
 # rows it takes: each weight value expanded once for all, each row with sums of its own. At three and four
-# (256-column steps, so that the sums fit the registers) the tensor cores' triton_mma_gemv was as fast or
-# faster on one H100: the layer's projections 116.2 / 129.4 µs against 117.0 / 118.5 without PDL (with it
-# 105.5 / 121.7 against 121.6 / 123.8; docs/benchmarks.md)
+# (256-column steps, so that the sums fit the registers) a tensor-core kernel fed from registers was as fast
+# or faster on one H100: the layer's projections 116.2 / 129.4 µs here against 117.0 / 118.5 without PDL
+# (with it 105.5 / 121.7 against 121.6 / 123.8; docs/benchmarks.md); more tokens take the decode form
 MAX_TOKENS = 2
 
 

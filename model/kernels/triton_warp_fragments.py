@@ -1,12 +1,12 @@
 """Tensor-core fragments held one element per thread: the kernels that feed ``mma.sync`` from registers.
 
 Which thread holds which element of a Triton tensor is the compiler's choice (its layout), but a
-tensor-core instruction needs each lane's own fragment. So ``triton_mma_gemv`` and
-``triton_mma_experts`` read each thread's lane and warp from the hardware (``warp_lanes``) into
-tensors of one element per thread, compute every address from them, and load, multiply and store
-element by element: each thread multiplies what it loaded itself, whatever the layout. The one thing
-the layout must give is one element per thread (the warp-wide instruction needs all 32 lanes), which
-``tests/test_triton_compile.py`` checks in the compiled kernels.
+tensor-core instruction needs each lane's own fragment. So ``triton_mma_experts``'s kernels read each
+thread's lane and warp from the hardware (``warp_lanes``) into tensors of one element per thread,
+compute every address from them, and load, multiply and store element by element: each thread
+multiplies what it loaded itself, whatever the layout. The one thing the layout must give is one element
+per thread (the warp-wide instruction needs all 32 lanes), which ``tests/test_triton_compile.py`` checks
+in the compiled kernels.
 
 Triton's interpreter runs no inline assembly: there, element i of a lane tensor plays thread i, and
 ``emulated_mma_bf16`` computes the tensor-core product over the same per-lane fragments with tensor
