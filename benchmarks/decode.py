@@ -297,7 +297,7 @@ def device_busy(prof) -> tuple[float, float]:
 TABLE_SUFFIXES: dict[str, tuple[tuple[str, object], ...]] = {
     "notcx": (("MMA_EXPERTS_MAX_PAIRS", 0.0),),
     "sort": (("MMA_EXPERTS_UNSORTED_PAIRS", 0),),
-    "noshape": (("_GEMV_BY_SHAPE", {}),),
+    "noshape": (("_GEMV_BY_SHAPE", {}), ("_FP8_DECODE_BY_SHAPE", {}), ("_DECODE_MM_BY_SHAPE", {})),
     "noready": (("ROUND_TRIP_IN_PRODUCERS", False),),
 }
 
@@ -324,8 +324,8 @@ def main() -> int:
                         help="backends to run; suffixes: -bi turns --batch-invariant on, -eager turns CUDA graphs "
                              "off (--enforce-eager), -nozos zero-overhead scheduling off (--no-zos), -notcx the "
                              "routed experts on triton_moe instead of triton_mma_experts, -sort triton_mma_experts' "
-                             "pair sort in every step, -noshape triton_gemv's per-launch configs set aside (its "
-                             "table by M only), -noready every FP8 product of the decode and prefill forms rounding "
+                             "pair sort in every step, -noshape the per-launch configs set aside (each "
+                             "kernel's table by M only), -noready every FP8 product of the decode and prefill forms rounding "
                              "its own input instead of its producer (ROUND_TRIP_IN_PRODUCERS off; these four: "
                              "in-process engine only), -pdl programmatic dependent launch on (--enable-pdl) for that "
                              "run")

@@ -125,19 +125,20 @@ def test_the_share_outside_the_graph_replays_is_what_the_replays_leave_of_a_step
 
 def test_a_variants_suffixes_set_its_tile_tables_and_the_next_variant_gets_the_defaults_back():
     """``--kernels triton-noshape,triton-notcx-sort,triton``: each engine's ``tile_configs`` are the process's
-    defaults plus its own suffixes' changes; ``-noshape`` sets ``triton_gemv``'s per-launch table aside,
+    defaults plus its own suffixes' changes; ``-noshape`` sets the per-launch tables aside,
     ``-notcx`` keeps the routed experts off ``triton_mma_experts``."""
     from benchmarks.decode import set_tile_tables, tile_table_defaults
     from model.kernels import tile_configs
 
     defaults = tile_table_defaults()
     try:
+        assert defaults["_FP8_DECODE_BY_SHAPE"] and defaults["_DECODE_MM_BY_SHAPE"]  # (rows to set aside)
         set_tile_tables(["noshape"], defaults)
-        assert tile_configs._GEMV_BY_SHAPE == {}
+        assert tile_configs._GEMV_BY_SHAPE == tile_configs._FP8_DECODE_BY_SHAPE == tile_configs._DECODE_MM_BY_SHAPE == {}
         assert tile_configs.MMA_EXPERTS_MAX_PAIRS == defaults["MMA_EXPERTS_MAX_PAIRS"]
         set_tile_tables(["notcx", "sort", "eager"], defaults)  # (a suffix of no table changes none)
         assert (tile_configs.MMA_EXPERTS_MAX_PAIRS, tile_configs.MMA_EXPERTS_UNSORTED_PAIRS) == (0.0, 0)
-        assert tile_configs._GEMV_BY_SHAPE is defaults["_GEMV_BY_SHAPE"]
+        assert tile_configs._FP8_DECODE_BY_SHAPE is defaults["_FP8_DECODE_BY_SHAPE"]
         assert tile_configs.ROUND_TRIP_IN_PRODUCERS is True
         set_tile_tables(["noready"], defaults)  # every product rounds its own input
         assert tile_configs.ROUND_TRIP_IN_PRODUCERS is False
