@@ -134,15 +134,21 @@ def decode_form_max_tokens(fp8: bool) -> int:
 
 # Launches' own rows for the decode form, read before the tables above (``rows``: the launch's output rows, a
 # grouped weight's groups x N or a pair's two N): the picks of ``benchmarks/kernels.py --tune-layer-gemv --m
-# 16`` / ``64`` (each launch of a V4.1-Flash layer timed alone under ``layer_gemv_tune.decode_candidates``,
-# 28 configs) on one H100, where a pick gained more than 0.3 µs. The layer graph there: 98.0 -> 95.3 µs at 16
-# tokens, 140.4 -> 125.7 at 64 (docs/benchmarks.md). A launch's first row whose bound holds is taken, so a
-# launch with a row for 64 tokens repeats the table's 16-token config where it keeps it. Not swept on an H200
+# 16`` / ``64`` / ``128,256`` (each launch of a V4.1-Flash layer timed alone under
+# ``layer_gemv_tune.decode_candidates``: 28 configs up to 64 tokens, 16 above) on one H100, where a pick gained
+# more than 0.3 µs (at 128-256 tokens: more than 1 µs, the two pairs). The layer graph there: 98.0 -> 95.3 µs at
+# 16 tokens, 140.4 -> 125.7 at 64, 198.5 -> 191.2 at 128 and 328.1 -> 321.1 at 256 with every launch's pick
+# (docs/benchmarks.md). A launch's first row whose bound holds is taken, so a launch with a row for 64 tokens
+# repeats the table's 16-token config where it keeps it. Not swept on an H200
 _FP8_DECODE_BY_SHAPE: LaunchTables = {
-    # wq_a with wkv: 12.8 -> 11.7 µs at 64 tokens
-    (1792, 5120): ((16, _FP8_DECODE_16_TOKENS), (64, DecodeConfig(64, 128, 4, 3, 4))),
-    # wq_b with the indexer's: 40.3 -> 33.6 µs at 64 tokens
-    (36864, 1280): ((16, _FP8_DECODE_16_TOKENS), (64, DecodeConfig(64, 128, 4, 3, 8, one_wave=True))),
+    # wq_a with wkv: 12.8 -> 11.7 µs at 64 tokens, 15.5 -> 14.1 at 128, 23.9 -> 23.1 at 256
+    (1792, 5120): ((16, _FP8_DECODE_16_TOKENS), (64, DecodeConfig(64, 128, 4, 3, 4)),
+                   (128, DecodeConfig(64, 128, 4, 4, 1, one_wave=True)),
+                   (256, DecodeConfig(64, 128, 4, 3, 2, one_wave=True))),
+    # wq_b with the indexer's: 40.3 -> 33.6 µs at 64 tokens, 58.3 -> 53.1 at 128, 87.9 -> 82.2 at 256
+    (36864, 1280): ((16, _FP8_DECODE_16_TOKENS), (64, DecodeConfig(64, 128, 4, 3, 8, one_wave=True)),
+                    (128, DecodeConfig(64, 64, 4, 3, 2, one_wave=True)),
+                    (256, DecodeConfig(64, 128, 4, 3, 2, one_wave=True))),
     (5120, 8192): ((16, DecodeConfig(64, 256, 4, 4, 2, one_wave=True)),),  # wo_b: 21.6 -> 20.7 µs at 16 tokens
     # the shared w2: 9.9 -> 9.5 µs at 16 tokens, 12.9 -> 12.2 at 64
     (5120, 2304): ((16, DecodeConfig(64, 256, 4, 3, 2, one_wave=True)),
