@@ -90,7 +90,7 @@ def run_warp_ptx(ptx: str, operands: list[list[int]], outputs: int) -> list[list
             if opcode in ("mov.b64", "mov.b32") and len(vec[0]) == 2:
                 width = 32 if opcode == "mov.b64" else 16
                 r[vec[0][0]], r[vec[0][1]] = r[args[1]] & ((1 << width) - 1), r[args[1]] >> width
-            elif opcode in ("mov.f32", "mov.u32", "mov.b32"):
+            elif opcode in ("mov.u32", "mov.b32"):
                 r[args[0]] = val(args[1])
             elif opcode == "cvt.u32.u16":
                 r[args[0]] = val(args[1]) & 0xFFFF
@@ -111,10 +111,6 @@ def run_warp_ptx(ptx: str, operands: list[list[int]], outputs: int) -> list[list
                 low = _bf16_bits(bf16(a) * bf16(b))
                 high = _bf16_bits(bf16(a >> 16) * bf16(b >> 16))
                 r[args[0]] = low | high << 16
-            elif opcode == "mul.f32":
-                r[args[0]] = bits32(f32(val(args[1])) * f32(val(args[2])))
-            elif opcode == "fma.rn.f32":
-                r[args[0]] = bits32(f32(val(args[1])) * f32(val(args[2])) + f32(val(args[3])))
             else:
                 raise AssertionError(f"the test does not know {opcode}")
     return [[r[f"${j}"] for j in range(outputs)] for r in regs]

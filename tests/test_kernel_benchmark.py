@@ -145,31 +145,27 @@ def test_the_layer_launches_are_keyed_as_the_kernels_key_them():
     assert launch_family(128, True) is None  # wo_a's prefill form above 64 tokens
     assert all(cfg.num_warps == 4 and cfg.block_w in (64, 128) for cfg in decode_candidates(16))
     assert all(cfg.block_w == 16 * cfg.num_warps and cfg.one_wave for cfg in decode_candidates(128))
-    saved = tile_configs._GEMV_BY_SHAPE, tile_configs._FP8_DECODE_BY_SHAPE
+    # (family, its launch table, its table by M, its lookup, the largest M of the launch's row)
+    families = (("gemv", "_GEMV_BY_SHAPE", "_GEMV_TABLE", tile_configs.gemv_config, 1),
+                ("fp8_decode", "_FP8_DECODE_BY_SHAPE", "_FP8_DECODE_TABLE", tile_configs.fp8_decode_config, 16))
+    saved = {attr: getattr(tile_configs, attr) for _, attr, *_ in families}
     try:
-        tile_configs._FP8_DECODE_BY_SHAPE = {(1792, 5120): ((16, forced),)}
-        assert tile_configs.fp8_decode_config(16, 1792, 5120) == forced
-        assert tile_configs.fp8_decode_config(17, 1792, 5120) == tile_configs._pick(tile_configs._FP8_DECODE_TABLE, 17)
-        with override_tables(fp8_decode=entry):
-            assert tile_configs.fp8_decode_config(16, 1792, 5120) == entry
-        with override_tables(fp8_decode_by_shape={(512, 256): ((16, entry),)}):
-            assert tile_configs.fp8_decode_config(16, 512, 256) == entry
-            by_m = tile_configs._pick(tile_configs._FP8_DECODE_TABLE, 16)
-            assert tile_configs.fp8_decode_config(16, 1792, 5120) == by_m
-        assert tile_configs._FP8_DECODE_BY_SHAPE == {(1792, 5120): ((16, forced),)}
-        tile_configs._GEMV_BY_SHAPE = {(1792, 5120): ((1, entry),)}
-        assert tile_configs.gemv_config(1, 1792, 5120) == entry
-        assert tile_configs.gemv_config(2, 1792, 5120) == tile_configs._pick(tile_configs._GEMV_TABLE, 2)
-        with override_tables(gemv=forced):
-            assert tile_configs.gemv_config(1, 1792, 5120) == forced
-        with override_tables(gemv_by_shape={(512, 256): ((1, forced),)}):
-            assert tile_configs.gemv_config(1, 512, 256) == forced
-            assert tile_configs.gemv_config(1, 1792, 5120) == tile_configs._pick(tile_configs._GEMV_TABLE, 1)
+        for family, attr, table, config, m in families:
+            by_m = tile_configs._pick(getattr(tile_configs, table), m)
+            setattr(tile_configs, attr, {(1792, 5120): ((m, forced),)})
+            assert config(m, 1792, 5120) == forced
+            assert config(m + 1, 1792, 5120) == tile_configs._pick(getattr(tile_configs, table), m + 1)
+            with override_tables(**{family: entry}):  # every shape
+                assert config(m, 1792, 5120) == entry
+            with override_tables(**{f"{family}_by_shape": {(512, 256): ((m, entry),)}}):  # these rows instead
+                assert config(m, 512, 256) == entry
+                assert config(m, 1792, 5120) == by_m
+            assert getattr(tile_configs, attr) == {(1792, 5120): ((m, forced),)}, family  # put back
         assert with_row(((4, forced), (8, five_to_eight)), 4, entry) == ((4, entry), (8, five_to_eight))
         assert with_row(((8, five_to_eight),), 4, entry) == ((4, entry), (8, five_to_eight))  # before the 8-row
-        assert tile_configs._GEMV_BY_SHAPE == {(1792, 5120): ((1, entry),)}
     finally:
-        tile_configs._GEMV_BY_SHAPE, tile_configs._FP8_DECODE_BY_SHAPE = saved
+        for attr, value in saved.items():
+            setattr(tile_configs, attr, value)
 
 
 def test_layer_table_shows_the_graph_with_inputs_in_l2_where_it_ran():
