@@ -114,14 +114,17 @@ class MoE:
 
     def __call__(self, x: torch.Tensor, x_fp8: torch.Tensor | None = None) -> torch.Tensor:
         """``x``: the normed rows; ``x_fp8``: the same as FP8-ready rows for the shared expert, or None."""
+        # the shared expert beside the router and the routed experts (model/kernels/side_stream.py); under
+        # expert parallelism it overlaps the exchange in flight instead
+        beside = self.kernels.beside(x, lambda: self.shared(x, x_fp8)) if self.dispatcher is None else None
         weights, indices = self.router(x)
         slots = indices if self.expert_map is None else self.expert_map.route(indices)
-        if self.dispatcher is None:
+        if beside is not None:
             routed = self.expert_rows(x, slots, weights)
-            shared = self.shared(x, x_fp8)
+            shared = beside.result()
         else:
             exchange = self.dispatcher.dispatch(x, weights, slots)
-            shared = self.shared(x, x_fp8)  # overlaps the exchange in flight
+            shared = self.shared(x, x_fp8)
             routed = self.dispatcher.combine(exchange, self.expert_rows)
         # in logical id order, whatever the placement, then the shared expert's output
         return self.kernels.moe_sum(routed, indices, shared)

@@ -74,17 +74,23 @@ class Block:
         """stream [T, hc, D]; ``pre_mix`` collapses it for this attention (computed by the previous
         FFN). Returns the new stream and the mix the next block's attention collapses with."""
         eps = self.cfg.rms_norm_eps
+        # Each sub-layer's mHC coefficients are read only by its expand (post, comb) and the next sub-layer's
+        # collapse (pre: mHC's pre-mix is delayed by one sub-layer), so they run beside the sub-layer
+        # (model/kernels/side_stream.py)
         residual = stream
-        attn_pre, attn_post, attn_comb = self.attn_hc.coefficients(stream)
+        attn_coefficients = self.kernels.beside(stream, lambda: self.attn_hc.coefficients(residual))
         # the normed rows, and the same as the FP8 linears take them (model/kernels/backend.py: FP8-ready rows)
         x, x_fp8 = self.kernels.hc_collapse_and_norm_fp8_ready(stream, pre_mix, self.attn_norm, eps)
-        stream = self.kernels.hc_expand(self.attention(x, x_fp8, batch, cache, state), residual, attn_post, attn_comb)
+        output = self.attention(x, x_fp8, batch, cache, state)
+        attn_pre, attn_post, attn_comb = attn_coefficients.result()
+        stream = self.kernels.hc_expand(output, residual, attn_post, attn_comb)
 
         residual = stream
-        ffn_pre, ffn_post, ffn_comb = self.ffn_hc.coefficients(stream)
-        # (collapsed by the attention's pre-mix: mHC's pre-mix is delayed by one sub-layer)
+        ffn_coefficients = self.kernels.beside(stream, lambda: self.ffn_hc.coefficients(residual))
         x, x_fp8 = self.kernels.hc_collapse_and_norm_fp8_ready(stream, attn_pre, self.ffn_norm, eps)
-        stream = self.kernels.hc_expand(self.moe(x, x_fp8), residual, ffn_post, ffn_comb)
+        output = self.moe(x, x_fp8)
+        ffn_pre, ffn_post, ffn_comb = ffn_coefficients.result()
+        stream = self.kernels.hc_expand(output, residual, ffn_post, ffn_comb)
         return stream, ffn_pre
 
 

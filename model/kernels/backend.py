@@ -28,12 +28,15 @@ same bits, since the round trip is idempotent (``fp8_qdq(fp8_qdq(x)) == fp8_qdq(
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from .side_stream import Deferred
 from .weights import ExpertWeights, QuantizedWeight
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from ..rope import RotaryTable
@@ -227,3 +230,9 @@ class KernelBackend(ABC):
         """A token's routed outputs ``routed [N, k, D]`` summed in fp32 in increasing expert id (``ids
         [N, k]``), then the shared expert's ``shared [N, D]`` added -> bf16 ``[N, D]`` (the reference's
         order, ``model.moe.combine_routed``)."""
+
+    def beside(self, like: torch.Tensor, work: Callable[[], T]) -> Deferred[T]:
+        """Start ``work()``, device work whose inputs are ready now, on ``like``'s device; what the caller
+        enqueues before ``result()`` may run at the same time (``side_stream.py``). Its outputs are the
+        same bits either way. This backend runs it at once."""
+        return Deferred(work())

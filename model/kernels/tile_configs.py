@@ -216,6 +216,11 @@ def gemv_config(m: int, rows: int = 0, k: int = 0) -> DecodeConfig:
 # (the benchmarks' comparison)
 ROUND_TRIP_IN_PRODUCERS = True
 
+# mHC's coefficients and the shared expert run beside the launches that follow them, on a second stream of the
+# device (``side_stream.py``: a CUDA graph with two branches); off: everything on the caller's stream (the
+# benchmarks' comparison)
+SIDE_STREAM = True
+
 # The routed experts take ``triton_mma_experts`` (the tensor cores fed from registers, blocks of 8 pairs)
 # outside the batch-invariant mode while a step has at most this many pairs per expert on average; 0:
 # never. On one H200 (``benchmarks/kernels.py --kernels moe --tensor-core-experts 0`` / ``8``, 384

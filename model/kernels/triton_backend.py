@@ -6,7 +6,8 @@ Each method has the reference backend's method of the same name as its twin (``r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -15,6 +16,7 @@ from ..rope import RotaryTable
 from ..routing import RoutingRule
 from . import triton_route
 from .backend import KernelBackend
+from .side_stream import Deferred, SideStream
 from .fp4_fragments import fragments_exact, fragments_fit
 from .reference import ReferenceKernels
 from .triton_bf16_mm import BLOCK_K as BF16_MM_BLOCK_K
@@ -37,6 +39,8 @@ from .triton_sparse_attention import sparse_attention
 from .triton_sublayer_input import sublayer_input
 from .triton_top_entries import top_entries
 from .weights import ExpertWeights, QuantizedWeight
+
+T = TypeVar("T")
 
 
 def matrix_vector_kernel(m: int):
@@ -74,6 +78,14 @@ class TritonKernels(KernelBackend):
         self.pdl = pdl
         # bf16 checkpoints (no quantized weights) are rare: their few products go through torch
         self._plain = ReferenceKernels(batch_invariant=False)
+        self._side = SideStream()
+
+    def beside(self, like: torch.Tensor, work: Callable[[], T]) -> Deferred[T]:
+        """On CUDA (with ``tile_configs.SIDE_STREAM``): ``work`` on the device's second stream, joined by
+        ``result()`` (``side_stream.py``)."""
+        if like.device.type != "cuda" or not tile_configs.SIDE_STREAM:
+            return super().beside(like, work)
+        return self._side.start(like.device, work)
 
     def _decode_form(self, m: int, fp8: bool = False) -> bool:
         """Whether ``m`` tokens take the decode form: the FP8 linears' (``fp8``) or the other products'."""

@@ -14,11 +14,12 @@ threads, then an ``acq_rel`` atomic at GPU scope, which orders them before the c
 program's acquire makes every other program's stores visible to it, and it reads them from L2
 (``.cg``) so that no stale line of its own SM's L1 is used.
 
-The counters (``split_counters``) are one int32 array per device, made once and left at zero by every
-launch. They assume the kernels that use them run one at a time per device (one stream): two launches
-running at once would share counters. The engine runs a forward's products on one stream. (A kernel
-started early by programmatic dependent launch touches the counters only after its wait for the kernel
-before it: ``triton_dependent_launch``.)
+The counters (``split_counters``) are one int32 array per device and lane, made once and left at zero by
+every launch. They assume the kernels that use them run one at a time per lane: two launches running at
+once would share counters. The engine runs a forward's products on one stream, except the work it starts
+beside them on a second one (``side_stream.py``), which counts in lane 1. (A kernel started early by
+programmatic dependent launch touches the counters only after its wait for the kernel before it:
+``triton_dependent_launch``.)
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .side_stream import lane
+
 MAX_TILES = 1 << 16  # counters per device: the output tiles of one launch
-_counters: dict[torch.device, torch.Tensor] = {}
+_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 @triton.jit
@@ -84,14 +87,15 @@ def reset_counter(counter_ptr):
 
 
 def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The device's tile counters (int32 zeros; every launch leaves them at zero). Made at the first
-    call, which must not be inside a CUDA graph capture (the engine runs every graph's forward once
-    eagerly before capturing it)."""
+    """The tile counters of the device and of the current lane (``side_stream.lane``; int32 zeros, every
+    launch leaves them at zero). Made at the first call, which must not be inside a CUDA graph capture (the
+    engine runs every graph's forward once eagerly before capturing it)."""
     if tiles > MAX_TILES:
         raise ValueError(f"{tiles} output tiles exceed the {MAX_TILES} split counters")
-    counters = _counters.get(device)
+    key = (device, lane())
+    counters = _counters.get(key)
     if counters is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the split counters must exist before a CUDA graph is captured")
-        counters = _counters[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+        counters = _counters[key] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
     return counters
