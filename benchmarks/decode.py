@@ -299,6 +299,7 @@ TABLE_SUFFIXES: dict[str, tuple[tuple[str, object], ...]] = {
     "sort": (("MMA_EXPERTS_UNSORTED_PAIRS", 0),),
     "noshape": (("_GEMV_BY_SHAPE", {}), ("_FP8_DECODE_BY_SHAPE", {}), ("_DECODE_MM_BY_SHAPE", {})),
     "noready": (("ROUND_TRIP_IN_PRODUCERS", False),),
+    "noside": (("SIDE_STREAM", False),),
 }
 
 
@@ -326,8 +327,11 @@ def main() -> int:
                              "routed experts on triton_moe instead of triton_mma_experts, -sort triton_mma_experts' "
                              "pair sort in every step, -noshape the per-launch configs set aside (each "
                              "kernel's table by M only), -noready every FP8 product of the decode and prefill forms rounding "
-                             "its own input instead of its producer (ROUND_TRIP_IN_PRODUCERS off; these four: "
-                             "in-process engine only), -pdl programmatic dependent launch on (--enable-pdl) for that "
+                             "its own input instead of its producer (ROUND_TRIP_IN_PRODUCERS off), -noside mHC's "
+                             "coefficients and the shared expert on the caller's stream instead of a second one "
+                             "(SIDE_STREAM off; list it before any engine that uses the side stream: a process "
+                             "that ran kernels on a second stream replays graphs slower; these five: in-process "
+                             "engine only), -pdl programmatic dependent launch on (--enable-pdl) for that "
                              "run")
     parser.add_argument("--batch", default="1,8,32,128,256", help="sequences per DP rank")
     parser.add_argument("--dp", type=int, default=1,

@@ -142,6 +142,8 @@ def test_a_variants_suffixes_set_its_tile_tables_and_the_next_variant_gets_the_d
         assert tile_configs.ROUND_TRIP_IN_PRODUCERS is True
         set_tile_tables(["noready"], defaults)  # every product rounds its own input
         assert tile_configs.ROUND_TRIP_IN_PRODUCERS is False
+        set_tile_tables(["noside"], defaults)  # everything on the caller's stream
+        assert (tile_configs.SIDE_STREAM, tile_configs.ROUND_TRIP_IN_PRODUCERS) == (False, True)
         assert tile_configs.MMA_EXPERTS_MAX_PAIRS == defaults["MMA_EXPERTS_MAX_PAIRS"]
         set_tile_tables([], defaults)
         assert tile_table_defaults() == defaults
