@@ -95,6 +95,10 @@ class Attention:
         cfg, w, pos = self.cfg, self.w, batch.positions
         rd = cfg.rope_head_dim
         eps = cfg.rms_norm_eps
+        # the compressor reads only x and writes the entries the indexer and the gather below read: it runs
+        # beside the queries' launches (model/kernels/side_stream.py)
+        compressing = (self.kernels.beside(x, lambda: self.compressor(x, batch, cache, self.rope))
+                       if self.role.compress_ratio and self.compressor is not None else None)
         fp8_input = quantized(w.wq_a, w.wkv)
         q_low_rank, kv = project(x_fp8 if fp8_input else x, w.wq_a, w.wkv, prepared=fp8_input)
         indexed = self.role.compress_ratio and self.indexer is not None  # the indexer's queries come from qr too
@@ -107,9 +111,9 @@ class Attention:
         self.kernels.rotate_(q[..., -rd:], pos, self.rope)
         kv = self.kernels.window_kv(kv, w.kv_norm, eps, pos, self.rope, rd)  # normed, rotated, FP8 round trip
 
+        if compressing is not None:
+            compressing.result()
         if self.role.compress_ratio:
-            if self.compressor is not None:
-                self.compressor(x, batch, cache, self.rope)
             if self.indexer is not None:
                 self._select(x, index_q, batch, cache, state)
         if batch.num_tokens:

@@ -146,11 +146,20 @@ class Engram:
 
     def __call__(self, stream: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:
         """stream [T, hc, D] bf16, hash_ids [T, columns] -> new stream [T, hc, D]."""
+        return self.gate(stream, *self.look_up(hash_ids))
+
+    def look_up(self, hash_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of ``hash_ids [T, columns]`` projected to ``(key [T, hc * D], value [T, D])``. They depend
+        on the token ids alone, so the model looks them up beside the layers before this one."""
         rows = self.table[hash_ids]  # [T, columns, head_dim]
         if self.table_scale is not None:
             rows = dequantize_fp8_rows(rows, self.table_scale[hash_ids])
         kv = self.wkv(rows.flatten(-2))
         key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
+        return key, value
+
+    def gate(self, stream: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """The looked-up ``value`` added to ``stream [T, hc, D]``, gated by each copy's match with ``key``."""
         return self.kernels.engram_gate(stream, key, value, self.gate_weight, self.eps, self.clamp_value)
 
 

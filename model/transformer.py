@@ -8,6 +8,7 @@ passed per-sequence state (``cache.py``) and returns the final hidden state of e
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -17,6 +18,7 @@ from .cache import V41Cache
 from .config import V41Config
 from .engram import Engram, NgramHasher
 from .kernels import KernelBackend
+from .kernels.side_stream import Deferred
 from .mhc import HyperConnection, identity_pre_mix
 from .moe import MoE
 
@@ -124,10 +126,16 @@ class V41Model:
         state = state if state is not None else ForwardState()
         state.index_key_layer = self._index_key_layers(batch)
         state.shared = {}  # a state passed in again must not hand this forward the last one's lists
-        for block in self.blocks:
+        lookups: dict[int, Deferred] = {}
+        for i, block in enumerate(self.blocks):
+            # Engram's rows depend on the token ids alone: each layer's are looked up beside the block
+            # before it (model/kernels/side_stream.py)
+            for ahead in self.blocks[i:i + 2]:
+                if ahead.engram is not None and ahead.layer_id not in lookups:
+                    ids = hash_ids[:, cfg.engram_layer_ids.index(ahead.layer_id)]
+                    lookups[ahead.layer_id] = self.kernels.beside(ids, partial(ahead.engram.look_up, ids))
             if block.engram is not None:
-                column = cfg.engram_layer_ids.index(block.layer_id)
-                stream = block.engram(stream, hash_ids[:, column])
+                stream = block.engram.gate(stream, *lookups.pop(block.layer_id).result())
             stream, pre_mix = block(stream, pre_mix, batch, cache, state)
         return self.kernels.hc_collapse_and_norm(stream, pre_mix, self.final_norm, cfg.rms_norm_eps)
 

@@ -1,5 +1,6 @@
-"""Work beside the caller's stream (``model/kernels/side_stream.py``): mHC's coefficients and the shared
-expert on a second CUDA stream change no bit of the model's output, and count their splits apart."""
+"""Work beside the caller's stream (``model/kernels/side_stream.py``): mHC's coefficients, the shared
+expert, the compressors and Engram's lookups on a second CUDA stream change no bit of the model's output
+(the tiny model has two compressors and two Engram layers), and count their splits apart."""
 
 from __future__ import annotations
 

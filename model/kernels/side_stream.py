@@ -2,13 +2,18 @@
 
 A decode step is a chain of a few hundred launches on one stream. At small batches most of them are
 bound by latency, not by the GPU's bandwidth or its SMs: the GPU runs one small kernel at a time while
-most SMs wait. Two pieces of every layer feed none of the launches that follow them directly:
+most SMs wait. Some pieces of a layer feed none of the launches that follow them directly:
 
 * mHC's coefficients of a sub-layer's stream (``pre``, ``post``, ``comb``: two launches): only the
   sub-layer's expand reads ``post`` and ``comb``, and the *next* sub-layer's collapse ``pre`` (mHC's
   pre-mix is delayed by one sub-layer), so they can run while the sub-layer's own launches run;
 * the shared expert (three launches): only the expert sum reads it, so it can run while the router
-  and the routed experts run.
+  and the routed experts run;
+* a kv-source layer's compressor (~20 launches in a decode step: its fp32 products, the pooling, the
+  index keys, the FP4 round trips, the cache writes): it reads the attention's input and writes the
+  entries that the indexer and the attention's gather read, so it runs while the queries are projected;
+* Engram's lookup (the table's rows and their projection): it reads the token ids' hashes alone, so
+  each Engram layer's runs beside the block before it.
 
 ``KernelBackend.beside(like, work)`` starts such work and returns a ``Deferred``; its ``result()``
 gives the outputs once the caller's stream may read them. The reference backend (and any tensor off
