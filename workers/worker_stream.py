@@ -18,12 +18,12 @@ stream is already a side stream (a caller of the in-process ``LLM`` that runs it
 stream too. Under expert parallelism NCCL runs its collectives on streams of its own, so a worker
 with ``--dp N`` is not a one-stream process whatever it does here.
 
-The model's own second stream is the exception (``model/kernels/side_stream.py``): mHC's coefficients and
-the shared expert run beside the launches that follow them, forked from and joined back into this stream
-inside every forward, so a decode graph has two branches. That is a process that runs kernels on a second
-stream, and pays the cost above; it is on because the overlap measured more than that cost (on one H100,
-1-3% of a decode step at batch 1-256: ``tile_configs.SIDE_STREAM``, whose off keeps everything on this one
-stream; ``docs/benchmarks.md``).
+The model's own second stream is the exception (``model/kernels/side_stream.py``): mHC's coefficients, the
+shared expert, the compressors and Engram's lookups run beside the launches that follow them, forked from and
+joined back into this stream inside every forward, so a decode graph has two branches. That is a process that
+runs kernels on a second stream, and pays the cost above; it is on because the overlap measured more than that
+cost (on one H100, 1-3% of a decode step at batch 1-256: ``tile_configs.SIDE_STREAM``, whose off keeps
+everything on this one stream; ``docs/benchmarks.md``).
 
 The current stream is a thread's own: a thread that steps the runner other than the one that made
 it calls ``enter`` first (cheap when nothing changes), so its steps run, and replay, on the same

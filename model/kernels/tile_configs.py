@@ -216,12 +216,14 @@ def gemv_config(m: int, rows: int = 0, k: int = 0) -> DecodeConfig:
 # (the benchmarks' comparison)
 ROUND_TRIP_IN_PRODUCERS = True
 
-# mHC's coefficients and the shared expert run beside the launches that follow them, on a second stream of the
-# device (``side_stream.py``: a CUDA graph with two branches); off: everything on the caller's stream (the
-# benchmarks' comparison). On one H100 (``benchmarks/decode.py --preset v41-flash-L8 --kernels
-# triton-noside,triton --context 1024``) the step took 2.53 -> 2.49 ms at batch 1, 5.62 -> 5.47 at 8, 11.69 ->
-# 11.62 at 32, 16.93 -> 16.87 at 64 and 30.74 -> 30.32 at 256: the overlap outweighs what a second stream costs
-# every graph replay (``workers/worker_stream.py``; docs/benchmarks.md)
+# mHC's coefficients, the shared expert, the compressors and Engram's lookups run beside the launches that
+# follow them, on a second stream of the device (``side_stream.py``: a CUDA graph with two branches); off:
+# everything on the caller's stream (the benchmarks' comparison). On one H100 (``benchmarks/decode.py --preset
+# v41-flash-L8 --kernels triton-noside,triton --context 1024``, one process) the step took 2.49 -> 2.41 ms at
+# batch 1, 5.35 -> 5.30 at 8, 11.29 -> 11.07 at 32, 16.27 -> 16.09 at 64 and 29.58 -> 29.07 at 256 (with only
+# the coefficients and the shared expert beside: 2.48 / 5.40 / 16.20 at batch 1 / 8 / 64, another process): the
+# overlap outweighs what a second stream costs every graph replay (``workers/worker_stream.py``;
+# docs/benchmarks.md)
 SIDE_STREAM = True
 
 # The routed experts take ``triton_mma_experts`` (the tensor cores fed from registers, blocks of 8 pairs)
