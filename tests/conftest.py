@@ -32,9 +32,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from tests.triton_interpreter import skip_repeated_patching
+    from tests.triton_interpreter import index_one_element_arrays, skip_repeated_patching
 
     skip_repeated_patching()  # the same kernels' bits, a third less time (tests/triton_interpreter.py)
+    index_one_element_arrays()  # an older interpreter under NumPy >= 2.4 (tests/triton_interpreter.py)
 
 import platform  # noqa: E402
 import re  # noqa: E402

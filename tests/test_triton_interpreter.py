@@ -1,5 +1,6 @@
 """``tests/triton_interpreter.py``: the interpreter's helper calls skip re-patching the language, with
-the same bits, and a launch still leaves ``triton.language`` as it found it."""
+the same bits, and a launch still leaves ``triton.language`` as it found it; a loop whose bounds depend on
+the program runs in any interpreter under any NumPy."""
 
 import os
 
@@ -41,3 +42,22 @@ def test_the_skip_is_installed_and_gives_the_same_bits(monkeypatch):
     assert tl.load is builtin_load
     assert torch.equal(fast, slow)
     assert 0 < fast_walks * 10 < slow_walks, (fast_walks, slow_walks)  # the launch patched; its helpers did not
+
+
+def test_a_loop_bounded_by_the_program_id_runs():
+    """``range`` over bounds derived from ``tl.program_id``: what every split-K kernel's loop does, and what
+    Triton 3.6's interpreter refused under NumPy 2.4 until ``index_one_element_arrays`` (conftest.py)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def count_up(out_ptr, n):
+        pid = tl.program_id(0)
+        total = 0
+        for i in range(pid, tl.minimum(pid + 3, n)):
+            total += i
+        tl.store(out_ptr + pid, total)
+
+    out = torch.zeros(5, dtype=torch.int32)
+    count_up[(5,)](out, 5)
+    assert out.tolist() == [sum(range(p, min(p + 3, 5))) for p in range(5)]

@@ -12,6 +12,14 @@ already patched for the launch in progress; the launch's own patching and its un
 (a launch's scope, undone, forgets what was patched). What runs is the same either way:
 ``tests/test_triton_interpreter.py`` checks a kernel's bits with and without. Where the interpreter's
 internals are not the ones this knows, nothing is changed.
+
+``index_one_element_arrays()`` lets an older interpreter (Triton 3.6, the GPU machine's) take a scalar
+as an index under NumPy 2.4 and later. The interpreter holds a scalar derived from ``tl.program_id`` as a
+one-element array, and its ``__index__`` (what ``range`` and ``tl.range`` call on their bounds) is
+``int(array)``, which NumPy 2.4 refuses for an array that has a dimension ("only 0-dimensional arrays can
+be converted to Python scalars"): every kernel whose loop bounds depend on its program failed there.
+Later interpreters take the array's one element (Triton 3.9: ``int(data.squeeze())``), which is what this
+installs where the interpreter's own ``__index__`` fails on such an array.
 """
 
 from __future__ import annotations
@@ -53,10 +61,41 @@ def skip_repeated_patching() -> bool:
     return True
 
 
-if __name__ == "__main__":  # python -m tests.triton_interpreter SCRIPT ARGS...: run a script with the skip
+def index_one_element_arrays() -> bool:
+    """Install the one-element index where the interpreter's own fails; whether it was installed."""
+    try:
+        import numpy as np
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or getattr(patch_tensor, "indexes_one_element_arrays", False):
+        return False
+
+    class Probe:  # what ``__index__`` is called on: a tensor whose handle holds one element
+        class handle:
+            data = np.array([3], dtype=np.int32)
+
+    def index(self) -> int:
+        return int(self.handle.data.item())  # (an array of more than one element still fails)
+
+    def patch_tensor_indexing(tensor, scope):
+        patch_tensor(tensor, scope)
+        try:
+            tensor.__index__(Probe())
+        except TypeError:
+            scope.set_attr(tensor, "__index__", index)  # undone with the launch's other patches
+
+    patch_tensor_indexing.indexes_one_element_arrays = True
+    interpreter._patch_lang_tensor = patch_tensor_indexing
+    return True
+
+
+if __name__ == "__main__":  # python -m tests.triton_interpreter SCRIPT ARGS...: run a script with the shims
     import runpy
     import sys
 
     skip_repeated_patching()
+    index_one_element_arrays()
     sys.argv = sys.argv[1:]
     runpy.run_path(sys.argv[0], run_name="__main__")
