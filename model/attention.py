@@ -98,7 +98,7 @@ class Attention:
         # the compressor reads only x and writes the entries the indexer and the gather below read: it runs
         # beside the queries' launches (model/kernels/side_stream.py)
         compressing = (self.kernels.beside(x, lambda: self.compressor(x, batch, cache, self.rope))
-                       if self.role.compress_ratio and self.compressor is not None else None)
+                       if self.compressor is not None else None)  # (a kv source's: a compressed layer's)
         fp8_input = quantized(w.wq_a, w.wkv)
         q_low_rank, kv = project(x_fp8 if fp8_input else x, w.wq_a, w.wkv, prepared=fp8_input)
         indexed = self.role.compress_ratio and self.indexer is not None  # the indexer's queries come from qr too

@@ -25,6 +25,7 @@ installs where the interpreter's own ``__index__`` fails on such an array.
 from __future__ import annotations
 
 import inspect
+from types import SimpleNamespace
 
 
 def skip_repeated_patching() -> bool:
@@ -72,9 +73,7 @@ def index_one_element_arrays() -> bool:
     if patch_tensor is None or getattr(patch_tensor, "indexes_one_element_arrays", False):
         return False
 
-    class Probe:  # what ``__index__`` is called on: a tensor whose handle holds one element
-        class handle:
-            data = np.array([3], dtype=np.int32)
+    probe = SimpleNamespace(handle=SimpleNamespace(data=np.array([3], dtype=np.int32)))  # one element
 
     def index(self) -> int:
         return int(self.handle.data.item())  # (an array of more than one element still fails)
@@ -82,7 +81,7 @@ def index_one_element_arrays() -> bool:
     def patch_tensor_indexing(tensor, scope):
         patch_tensor(tensor, scope)
         try:
-            tensor.__index__(Probe())
+            tensor.__index__(probe)
         except TypeError:
             scope.set_attr(tensor, "__index__", index)  # undone with the launch's other patches
 
