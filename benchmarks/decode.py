@@ -300,6 +300,7 @@ TABLE_SUFFIXES: dict[str, tuple[tuple[str, object], ...]] = {
     "noshape": (("_GEMV_BY_SHAPE", {}), ("_FP8_DECODE_BY_SHAPE", {}), ("_DECODE_MM_BY_SHAPE", {})),
     "noready": (("ROUND_TRIP_IN_PRODUCERS", False),),
     "noside": (("SIDE_STREAM", False),),
+    "norope": (("ROPE_IN_CONSUMERS", False),),
 }
 
 
@@ -331,7 +332,9 @@ def main() -> int:
                              "coefficients, the shared expert, the compressors and Engram's lookups on the caller's "
                              "stream instead of a second one "
                              "(SIDE_STREAM off; list it before any engine that uses the side stream: a process "
-                             "that ran kernels on a second stream replays graphs slower; these five: in-process "
+                             "that ran kernels on a second stream replays graphs slower), -norope RoPE in launches "
+                             "of its own, not in the attention's and the FP4 round trips' (ROPE_IN_CONSUMERS off; "
+                             "these six: in-process "
                              "engine only), -pdl programmatic dependent launch on (--enable-pdl) for that "
                              "run")
     parser.add_argument("--batch", default="1,8,32,128,256", help="sequences per DP rank")

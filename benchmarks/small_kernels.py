@@ -14,10 +14,16 @@ rotating inputs, next to the bytes the call moves at the copy bandwidth measured
 * the FP4 round trips (``triton_fp4_round_trip.BLOCK_ELEMENTS``, values per program): the indexer's
   queries ``[T, 32, 128]`` in groups of 32 with power-of-two scales, and compressed KV rows ``[T, 512]``
   in groups of 16 with E4M3 scales;
+* the index queries' RoPE and FP4 round trip (``TritonKernels.rotary_fp4_round_trip``, one launch, against
+  ``rotate_`` and the round trip; both on a copy of the queries, which the two launches rotate in place);
 * the window's KV rows (``TritonKernels.window_kv``: RMSNorm, RoPE and the FP8 round trip in one launch,
   against the three launches it replaces, with the same bits);
 * a sub-layer's input (``TritonKernels.hc_collapse_and_norm_fp8_ready``: mHC's collapse and the RMSNorm in one
-  launch, against the two launches it replaces).
+  launch, against the two launches it replaces);
+* the attention with its RoPE (``TritonKernels.rotary_sparse_attention``: q rotated and the output rotated
+  back inside the attention's launches, against ``rotate_``, the attention and ``rotate_`` again): 64 heads
+  of 512, lists of 640 entries (the window's 128 and 512 selected), each call on a fresh copy of its q
+  (the launches may rotate q in place).
 
 Prints one line per (kernel, tokens, setting) and a markdown table at the end.
 """
@@ -43,6 +49,7 @@ from model.rope import RotaryTable, rope_frequencies  # noqa: E402
 
 HC, HIDDEN, ITERS = 4, 5120, 20  # V4.1-Flash's mHC: 4 copies of the hidden state, 20 Sinkhorn iterations
 INDEX_HEADS, INDEX_DIM, KV_DIM, ROPE_DIMS = 32, 128, 512, 64
+HEADS, LISTED = 64, 640  # the attention's heads (of KV_DIM) and a decode row's listed entries at 1K context
 
 
 @contextlib.contextmanager
@@ -101,11 +108,30 @@ def cases(tokens: int, device: torch.device, sets: int, gen: torch.Generator):
     def compressed_kv(i):
         return triton_fp4_round_trip.fp4_round_trip(kv[i], 16, e4m3_scale=True)
 
+    def index_queries_rotated(backend: type[KernelBackend]):  # on a copy: the two launches rotate in place
+        return lambda i: backend.rotary_fp4_round_trip(kernels, queries[i].clone(), positions[i], rope, ROPE_DIMS, 32,
+                                                       False)
+
     pres = [torch.rand(tokens, HC, device=device, generator=gen) for _ in range(sets)]
     hidden_norm = (torch.rand(HIDDEN, device=device, generator=gen) + 0.5).bfloat16()
 
     def sublayer_input(backend: type[KernelBackend]):
         return lambda i: backend.hc_collapse_and_norm_fp8_ready(kernels, streams[i], pres[i], hidden_norm, 1e-6)
+
+    unrotated = [torch.randn(tokens, HEADS, KV_DIM, device=device, generator=gen).bfloat16() for _ in range(sets)]
+    q = [x.clone() for x in unrotated]
+    pool = torch.randn(tokens * LISTED, KV_DIM, device=device, generator=gen).bfloat16()
+    index = torch.randperm(tokens * LISTED, device=device, generator=gen).view(tokens, LISTED)
+    valid = torch.ones(tokens, LISTED, dtype=torch.bool, device=device)
+    sink = torch.randn(HEADS, device=device, generator=gen)
+    attention_kernels = TritonKernels(batch_invariant=False)  # the engine's: a few rows split their entries
+
+    def attention(backend: type[KernelBackend]):
+        def call(i):
+            q[i].copy_(unrotated[i])
+            return backend.rotary_sparse_attention(attention_kernels, q[i], pool, index, valid, sink, KV_DIM ** -0.5,
+                                                   positions[i], rope, ROPE_DIMS)
+        return call
 
     blocks = (512, 1024, 2048, 4096)
     return [
@@ -119,9 +145,15 @@ def cases(tokens: int, device: torch.device, sets: int, gen: torch.Generator):
             ("one launch (now)", lambda i: kernels.window_kv(kv[i], norm, 1e-6, positions[i], rope, ROPE_DIMS)),
             ("three launches", lambda i: KernelBackend.window_kv(kernels, kv[i], norm, 1e-6, positions[i], rope,
                                                                  ROPE_DIMS))]),
+        ("index queries' RoPE and FP4 round trip", 4 * queries[0].numel(), [
+            ("one launch (now)", index_queries_rotated(TritonKernels)),
+            ("rotate_, then the round trip", index_queries_rotated(KernelBackend))]),
         ("sub-layer input (mHC collapse, RMSNorm, FP8-ready rows)", tokens * HC * HIDDEN * 2 + 4 * tokens * HIDDEN, [
             ("one launch (now)", sublayer_input(TritonKernels)),
             ("collapse, then the norm", sublayer_input(KernelBackend))]),
+        ("attention with its RoPE (and q's copy)", tokens * (2 * HEADS + LISTED) * KV_DIM * 2, [
+            ("RoPE in the launches (now)", attention(TritonKernels)),
+            ("rotate, attend, rotate back", attention(KernelBackend))]),
     ]
 
 

@@ -107,8 +107,7 @@ class Attention:
         qr = self.kernels.rms_norm(q_low_rank, w.q_norm, eps, fp8_ready=fp8_query)
         q, *index_q = project(qr, *query_linears, prepared=fp8_query)
         index_q = index_q[0] if indexed else None
-        q = q.unflatten(-1, (cfg.num_heads, cfg.head_dim))
-        self.kernels.rotate_(q[..., -rd:], pos, self.rope)
+        q = q.unflatten(-1, (cfg.num_heads, cfg.head_dim))  # rotated by the attention below
         kv = self.kernels.window_kv(kv, w.kv_norm, eps, pos, self.rope, rd)  # normed, rotated, FP8 round trip
 
         if compressing is not None:
@@ -119,12 +118,13 @@ class Attention:
         if batch.num_tokens:
             pool, index, valid, widths = self._gather_entries(kv, batch, cache, state)
             if self.reference_layout:
+                self.kernels.rotate_(q[..., -rd:], pos, self.rope)
                 o = sparse_attention(q, pool[index], valid, widths, w.sink, self.scale)
+                self.kernels.rotate_(o[..., -rd:], pos, self.rope, inverse=True)
             else:  # whole blocks: every row at the batch's width gives each row what its own width gives
-                o = self.kernels.sparse_attention(q, pool, index, valid, w.sink, self.scale)
+                o = self.kernels.rotary_sparse_attention(q, pool, index, valid, w.sink, self.scale, pos, self.rope, rd)
         else:
             o = torch.zeros_like(q)
-        self.kernels.rotate_(o[..., -rd:], pos, self.rope, inverse=True)
         self._write_window(kv, batch, cache, state)
         return w.wo_b(self._grouped_output(o, fp8_ready=w.wo_b.quantized), prepared=w.wo_b.quantized)
 

@@ -47,11 +47,9 @@ class Compressor:
             return
         entry_positions = entry_ids * self.ratio  # an entry stands for its group's first token
         keys = self.kernels.rms_norm(self.index_wk(latents), self.index_k_norm, self.eps)
-        self.kernels.rotate_(keys[:, -self.rope_dims:], entry_positions, rope)
-        keys = self.kernels.fp4_round_trip(keys, 32, e4m3_scale=False)
-        kv = latents  # a fresh tensor that nothing else reads: RoPE in place, no copy
-        self.kernels.rotate_(kv[:, -self.rope_dims:], entry_positions, rope)
-        kv = self.kernels.fp4_round_trip(kv, 16, e4m3_scale=True)
+        keys = self.kernels.rotary_fp4_round_trip(keys, entry_positions, rope, self.rope_dims, 32, e4m3_scale=False)
+        # latents: a fresh tensor that nothing else reads, so RoPE may rotate it in place
+        kv = self.kernels.rotary_fp4_round_trip(latents, entry_positions, rope, self.rope_dims, 16, e4m3_scale=True)
         cache.write_entries_paged(self.layer_id, batch.layout.block_tables, seq_of_entry, entry_ids, kv, keys)
 
     def latents(self, x: torch.Tensor, batch: ForwardBatch, cache: V41Cache):

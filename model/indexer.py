@@ -108,8 +108,7 @@ class Indexer:
         """Index queries [T, H, d] (RoPE'd, FP4 round trip) and per-head weights [T, H] for all tokens, from
         ``projected = wq_b(qr)`` [T, H * d] (the attention projects it with its own ``wq_b``: one launch)."""
         q = projected.unflatten(-1, (self.num_heads, self.head_dim))
-        self.kernels.rotate_(q[..., -self.rope_dims:], positions, rope)
-        q = self.kernels.fp4_round_trip(q, 32, e4m3_scale=False)
+        q = self.kernels.rotary_fp4_round_trip(q, positions, rope, self.rope_dims, 32, e4m3_scale=False)
         weights = self.weights_proj(x) * self.weight_scale
         return q, weights
 

@@ -56,3 +56,27 @@ def test_fp4_round_trip_is_the_twin_bit_for_bit(shape, block, e4m3_scale):
 def test_fp4_round_trip_of_a_strided_view():
     x = awkward_values(9, 256, seed=3)[:, :128]
     assert torch.equal(fp4_kernel(x, 32, False).view(torch.int16), fp4_qdq(x, 32).view(torch.int16))
+
+
+@pytest.mark.parametrize("shape, rope_dims, block, e4m3_scale", [
+    ((3, 32, 128), 64, 32, False),  # V4.1-Flash's index queries: a token's 32 heads share its position
+    ((5, 128), 64, 32, False),  # the compressor's index keys
+    ((5, 512), 64, 16, True),  # the compressor's entries
+    ((7, 4, 64), 16, 32, False), ((6, 64), 16, 16, True),  # the tiny models: rotated and plain dims share a group
+])
+def test_rope_in_the_round_trip_gives_the_two_launches_bits(shape, rope_dims, block, e4m3_scale):
+    """``rotary_fp4_round_trip``: the Triton backend rotates the values as the round trip loads them, with
+    ``_rope_kernel``'s arithmetic: the same bits as ``rotate_`` and the round trip apart."""
+    from model.kernels.backend import KernelBackend
+    from model.kernels.triton_backend import TritonKernels
+    from model.rope import RotaryTable, rope_frequencies
+
+    x = awkward_values(shape[0] * (shape[1] if len(shape) == 3 else 1), shape[-1], seed=sum(shape))
+    x = x.view(shape).to(device())
+    table = RotaryTable(rope_frequencies(rope_dims, 10000.0, 1.0, 0, 32, 1), 9000, device())
+    positions = torch.randint(0, 9000, (shape[0],), generator=torch.Generator().manual_seed(1)).to(device())
+    backend = TritonKernels()
+    fused = backend.rotary_fp4_round_trip(x.clone(), positions, table, rope_dims, block, e4m3_scale)
+    apart = KernelBackend.rotary_fp4_round_trip(backend, x.clone(), positions, table, rope_dims, block, e4m3_scale)
+    assert torch.equal(fused, apart)
+    assert not torch.equal(fused, backend.fp4_round_trip(x, block, e4m3_scale))  # the rotation taken

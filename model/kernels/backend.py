@@ -108,6 +108,17 @@ class KernelBackend(ABC):
         sum only (unscaled) and the output is ``bf16(acc / sum)``. A row without a valid entry yields
         zeros, and padding a list with holes changes no bit of its row."""
 
+    def rotary_sparse_attention(self, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, valid: torch.Tensor,
+                                sink: torch.Tensor, scale: float, positions: torch.Tensor, rope: "RotaryTable",
+                                rope_dims: int) -> torch.Tensor:
+        """``sparse_attention`` with the attention's RoPE around it: the last ``rope_dims`` dims of ``q`` rotated
+        at ``positions`` before (``q`` may be rotated in place), the output's rotated back after (``rotate_``
+        with ``inverse``). A backend may do both inside its attention launches, with the same bits."""
+        self.rotate_(q[..., -rope_dims:], positions, rope)
+        o = self.sparse_attention(q, pool, index, valid, sink, scale)
+        self.rotate_(o[..., -rope_dims:], positions, rope, inverse=True)
+        return o
+
     @abstractmethod
     def hc_coefficients(self, stream: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
                         hc: int, iters: int, hc_eps: float,
@@ -159,6 +170,13 @@ class KernelBackend(ABC):
     def fp4_round_trip(self, x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
         """bf16 ``[..., K]`` through FP4 e2m1 and back, exactly (``model.quant.fp4_qdq``): groups of 32
         with UE8M0 scales (index queries and keys) or of 16 with E4M3 scales (compressed KV)."""
+
+    def rotary_fp4_round_trip(self, x: torch.Tensor, positions: torch.Tensor, rope: "RotaryTable", rope_dims: int,
+                              block: int, e4m3_scale: bool) -> torch.Tensor:
+        """``rotate_`` of the last ``rope_dims`` dims of ``x`` (``[T, K]`` or ``[T, H, K]``; in place, or not),
+        then ``fp4_round_trip`` (a backend may do both in one launch, with the same bits)."""
+        self.rotate_(x[..., -rope_dims:], positions, rope)
+        return self.fp4_round_trip(x, block, e4m3_scale)
 
     @abstractmethod
     def rotate_(self, x: torch.Tensor, positions: torch.Tensor, rope: "RotaryTable",

@@ -226,6 +226,12 @@ ROUND_TRIP_IN_PRODUCERS = True
 # docs/benchmarks.md)
 SIDE_STREAM = True
 
+# RoPE in the launches that consume it: the attention rotates its queries as it loads them and its output
+# back where it stores it, and the FP4 round trips of the index queries and the compressor's keys and
+# entries rotate their input as they load it (the bits of ``rotate_`` apart); off: ``rotate_``'s own
+# launches, two per layer and one per FP4 round trip more (the benchmarks' comparison)
+ROPE_IN_CONSUMERS = True
+
 # The routed experts take ``triton_mma_experts`` (the tensor cores fed from registers, blocks of 8 pairs)
 # outside the batch-invariant mode while a step has at most this many pairs per expert on average; 0:
 # never. On one H200 (``benchmarks/kernels.py --kernels moe --tensor-core-experts 0`` / ``8``, 384

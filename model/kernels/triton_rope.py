@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRETED, to_bf16
+from .triton_common import INTERPRETED, bf16_exact, to_bf16
 
 BLOCK_H = 16  # heads per program
 NUM_WARPS = 2  # 16 heads x 32 pairs x 2 values at V4.1-Flash: 1,024 values, 16 per thread
@@ -39,10 +39,41 @@ def _rope_kernel(x_ptr, pos_ptr, table_ptr, H, stride_xt, stride_xh, stride_p, H
         sin = -sin
     # each pair loaded and stored together (one contiguous run of 2 * HALF values per head), split in registers
     base = x_ptr + t * stride_xt + heads[:, None, None] * stride_xh + 2 * pairs[None, :, None] + tl.arange(0, 2)
-    both = tl.load(base, mask=mask[:, :, None], other=0.0).to(tl.float32)  # [BLOCK_H, HALF, 2]
+    both = bf16_exact(tl.load(base, mask=mask[:, :, None], other=0.0))  # [BLOCK_H, HALF, 2]
     a, b = tl.split(both)
     rotated = tl.join(a * cos - b * sin, a * sin + b * cos)
     tl.store(base, to_bf16(rotated, INTERPRETED), mask=mask[:, :, None])
+
+
+@triton.jit
+def rotate_with_partner(x, partner, second, cos, sin):
+    """fp32 rotation of values ``x`` whose pair partners are ``partner`` (``second``: ``x`` is its pair's
+    second value), in ``_rope_kernel``'s order, so the same bits: ``a cos - b sin`` for a pair ``(a, b)``'s
+    first value, ``a sin + b cos`` for its second (pass ``-sin`` to rotate back). Kernels that take RoPE
+    into a launch of their own (the sparse attention) load each value's partner at column ``c ^ 1``."""
+    return tl.where(second, partner * sin + x * cos, x * cos - partner * sin)
+
+
+@triton.jit
+def rotate_stored_(row_ptrs, mask, first_col, position, table_ptr, stride_p, ROPE_DIMS: tl.constexpr,
+                   INVERSE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Rotate in place the ``ROPE_DIMS`` values from ``first_col`` (even) of the bf16 rows at ``row_ptrs``
+    (any shape, ``mask`` alike), which this program has just stored: the rows' values are read back after
+    a barrier (every thread's stores visible), and replaced after a second one (every partner read)."""
+    tl.debug_barrier()
+    dims = tl.arange(0, ROPE_DIMS)
+    cols = first_col + dims
+    at = tl.expand_dims(row_ptrs, -1) + cols
+    inside = tl.expand_dims(mask, -1)
+    x = bf16_exact(tl.load(at, mask=inside, other=0.0))
+    partner = bf16_exact(tl.load(tl.expand_dims(row_ptrs, -1) + (cols ^ 1), mask=inside, other=0.0))
+    cos = tl.load(table_ptr + position * stride_p + 2 * (dims // 2))
+    sin = tl.load(table_ptr + position * stride_p + 2 * (dims // 2) + 1)
+    if INVERSE:
+        sin = -sin
+    rotated = to_bf16(rotate_with_partner(x, partner, dims % 2 == 1, cos, sin), INTERPRETED)
+    tl.debug_barrier()
+    tl.store(at, rotated, mask=inside)
 
 
 def rotate_(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, inverse: bool = False) -> torch.Tensor:
