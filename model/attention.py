@@ -143,20 +143,29 @@ class Attention:
         """(pool [R, D], index [T, L], valid [T, L], list lengths [T]): every KV row the queries list,
         each held once (the chunk's own rows, the rings of its sequences, the compressed entries), and
         each query's list as indices into it. Queries of one prefill chunk share most of their rows:
-        copying them per query would move thousands of times the bytes."""
+        copying them per query would move thousands of times the bytes.
+
+        The pool is assembled in place: one buffer per forward and group of layers that share their lists
+        (the window layers; each kv source and top-k source), its compressed entries decoded into it once,
+        and each layer's own rows (the chunk's, the ring's) written into its head in turn, so no layer
+        concatenates the three (at batch 256 of a 1K context, ~100 MB a layer)."""
         layout, win = batch.layout, self.cfg.sliding_window
         ring_rows = state.once(("window ring rows",), lambda: cache.window_rows(
             layout.seq_slot.unsqueeze(-1), device_ranges.arange(win, kv.device)))
-        ring = cache.read_window_rows(self.role.layer_id, ring_rows)  # [B, window, D]
         window, window_index = state.once(("window lists",), lambda: self._window_index(batch, kv.shape[0]))
+        own = kv.shape[0] + ring_rows.numel()  # the layer's own rows: the chunk's, then the ring's
         if not self.role.compress_ratio:
-            return torch.cat([kv, ring.flatten(0, 1)]), window_index, window.valid, window.widths
-        # the compressed part: the source layer wrote its entries before the first of its readers
-        # gets here, and nothing writes them again within the forward
-        key = ("compressed lists", self.role.kv_source, self.role.topk_source)
-        rows, index, valid, widths = state.once(key, lambda: self._compressed_lists(
-            batch, cache, state.selections[self.role.topk_source], window, window_index, kv.shape[0] + ring.shape[0] * win))
-        return torch.cat([kv, ring.flatten(0, 1), rows]), index, valid, widths
+            pool = state.once(("window pool",), lambda: kv.new_empty(own, kv.shape[1]))
+            index, valid, widths = window_index, window.valid, window.widths
+        else:
+            # the compressed part: the source layer wrote its entries before the first of its readers
+            # gets here, and nothing writes them again within the forward
+            key = ("compressed lists", self.role.kv_source, self.role.topk_source)
+            pool, index, valid, widths = state.once(key, lambda: self._compressed_lists(
+                batch, cache, state.selections[self.role.topk_source], window, window_index, kv, own))
+        pool[:kv.shape[0]].copy_(kv)
+        cache.read_window_rows(self.role.layer_id, ring_rows, out=pool[kv.shape[0]:own])
+        return pool, index, valid, widths
 
     def _window_index(self, batch: ForwardBatch, tokens: int):
         """(window lists, where the pool holds each listed position): the chunk's own rows first, then
@@ -173,20 +182,27 @@ class Attention:
         return window, torch.where(window.positions >= start, from_chunk, from_ring)
 
     def _compressed_lists(self, batch: ForwardBatch, cache: V41Cache, selection: TokenSelection,
-                          window: WindowList, window_index: torch.Tensor, first_row: int):
-        """(the selected compressed rows, and the joined lists: index, valid, widths)."""
-        rows, compressed_index = self._compressed_entries(batch, cache, selection, first_row)
+                          window: WindowList, window_index: torch.Tensor, kv: torch.Tensor, first_row: int):
+        """(the pool, its compressed entries decoded from ``first_row`` on, and the joined lists: index,
+        valid, widths)."""
+        pool, compressed_index = self._compressed_entries(batch, cache, selection, kv, first_row)
         index, valid, widths = join_lists(window, window_index, selection, compressed_index, self.reference_layout)
-        return rows, index, valid, widths
+        return pool, index, valid, widths
 
-    def _compressed_entries(self, batch: ForwardBatch, cache: V41Cache, selection, first_row: int):
-        """(rows [R, D], index [T, K] of each selected entry, counting from ``first_row``): each
-        sequence's entries decoded once when that reads fewer rows than every query's selection (a
-        prefill chunk), else each query's selected entries (decode: one query per sequence; a fixed
-        shape, as a CUDA graph needs)."""
+    def _compressed_entries(self, batch: ForwardBatch, cache: V41Cache, selection, kv: torch.Tensor,
+                            first_row: int):
+        """(pool [first_row + R, D] with the selected compressed rows from ``first_row`` on, index [T, K]
+        of each selected entry in it): each sequence's entries decoded once when that reads fewer rows than
+        every query's selection (a prefill chunk), else each query's selected entries (decode: one query per
+        sequence; a fixed shape, as a CUDA graph needs)."""
         layout, source = batch.layout, self.role.kv_source
         tokens, k = selection.entries.shape
         sequences = layout.seq_end.shape[0]
+
+        def pool_with(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+            pool = kv.new_empty(first_row + rows, kv.shape[1])
+            return pool, pool[first_row:]
+
         if not batch.padded:
             per_sequence = max(batch.longest_end() // self.cfg.compress_ratios[source], 1)  # known on the host
             if sequence_entries_pay(sequences, per_sequence, tokens, k):
@@ -194,10 +210,14 @@ class Attention:
                 owner = device_ranges.arange(sequences, entries.device).unsqueeze(-1)
                 index = (first_row + layout.seq.unsqueeze(-1) * per_sequence
                          + selection.entries.clamp(min=0, max=per_sequence - 1))
-                return cache.read_compressed_kv_paged(source, layout.block_tables, owner, entries).flatten(0, 1), index
+                pool, rows = pool_with(sequences * per_sequence)
+                cache.read_compressed_kv_paged(source, layout.block_tables, owner, entries, out=rows)
+                return pool, index
         index = device_ranges.arange(first_row + tokens * k, selection.entries.device)[first_row:].view(tokens, k)
-        rows = cache.read_compressed_kv_paged(source, layout.block_tables, layout.seq.unsqueeze(-1), selection.entries)
-        return rows.flatten(0, 1), index
+        pool, rows = pool_with(tokens * k)
+        cache.read_compressed_kv_paged(source, layout.block_tables, layout.seq.unsqueeze(-1), selection.entries,
+                                       out=rows)
+        return pool, index
 
     def _write_window(self, kv: torch.Tensor, batch: ForwardBatch, cache: V41Cache, state: ForwardState) -> None:
         """Keep the last ``window`` positions of every chunk in its sequence's ring (row = pos % W)."""

@@ -132,8 +132,8 @@ class V41Cache:
         all of one shape): a forward computes them once for ``read_window_rows`` / ``write_window_rows``."""
         return self.window[0].flat_rows(slots, rows)
 
-    def read_window_rows(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
-        return self.window[layer].read_rows(rows)
+    def read_window_rows(self, layer: int, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.window[layer].read_rows(rows, out)
 
     def write_window_rows(self, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
         self.window[layer].write_rows(rows, values)
@@ -147,11 +147,11 @@ class V41Cache:
         return self.index_keys[layer].read(blocks, rows)
 
     def read_compressed_kv_paged(self, layer: int, block_tables: torch.Tensor, seq: torch.Tensor,
-                                 entries: torch.Tensor) -> torch.Tensor:
+                                 entries: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Compressed KV ``[S, K, head_dim]`` bf16 of entries ``entries`` of sequences ``seq`` (broadcast
-        to ``[S, K]``), given the batch's padded block tables ``[B, max blocks]``. Entries past a
-        sequence's table land in its last column's block: callers mask them out."""
-        return self.compressed_kv[layer].read_entries(block_tables, seq, entries)
+        to ``[S, K]``), given the batch's padded block tables ``[B, max blocks]`` (into ``out``, contiguous,
+        if given). Entries past a sequence's table land in its last column's block: callers mask them out."""
+        return self.compressed_kv[layer].read_entries(block_tables, seq, entries, out)
 
     def read_index_keys_paged(self, layer: int, block_tables: torch.Tensor, seq: torch.Tensor,
                               entries: torch.Tensor) -> torch.Tensor:

@@ -184,15 +184,17 @@ class QuantizedRows:
             return
         self.write_rows(self.flat_rows(*index), values)
 
-    def read_entries(self, tables: torch.Tensor, seq: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+    def read_entries(self, tables: torch.Tensor, seq: torch.Tensor, entries: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
         """bf16 rows ``[S, K, width]`` of a ``[blocks, per_block]`` store at paged entries: entries
         ``entries`` of sequences ``seq`` (broadcast to ``[S, K]``) through the padded block tables
-        ``tables [B, W]`` (``entry_rows``). On CUDA the kernel finds the rows itself (no index launches)."""
+        ``tables [B, W]`` (``entry_rows``; into ``out``, contiguous, if given). On CUDA the kernel finds
+        the rows itself (no index launches)."""
         if not self.fused:
-            return self.read(*self.entry_rows(tables, seq, entries))
+            return _into(self.read(*self.entry_rows(tables, seq, entries)), out)
         from .kernels.triton_cache_codec import read_entries
 
-        return read_entries(self.data, tables, seq, entries, self.codec.fmt, self.codec.width)
+        return read_entries(self.data, tables, seq, entries, self.codec.fmt, self.codec.width, out)
 
     def write_entries(self, tables: torch.Tensor, seq: torch.Tensor, entries: torch.Tensor,
                       values: torch.Tensor) -> None:
@@ -212,15 +214,16 @@ class QuantizedRows:
         column = (entries // per_block).clamp(max=tables.shape[1] - 1)
         return tables[seq, column], entries % per_block
 
-    def read_rows(self, rows: torch.Tensor) -> torch.Tensor:
+    def read_rows(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """bf16 rows ``[*rows.shape, width]`` at row numbers ``rows`` of ``data`` seen as ``[N, row_bytes]``
-        (``flat_rows``: numbers that stores of one shape share, computed once for all of them)."""
+        (``flat_rows``: numbers that stores of one shape share, computed once for all of them; into ``out``,
+        contiguous, if given)."""
         width = self.codec.width
         if not self.fused:
-            return self.codec.decode(self.data.view(-1, self.codec.row_bytes)[rows])
+            return _into(self.codec.decode(self.data.view(-1, self.codec.row_bytes)[rows]), out)
         from .kernels.triton_cache_codec import read_rows
 
-        return read_rows(self.data, rows.reshape(-1), self.codec.fmt, width).view(*rows.shape, width)
+        return read_rows(self.data, rows.reshape(-1), self.codec.fmt, width, out).view(*rows.shape, width)
 
     def write_rows(self, rows: torch.Tensor, values: torch.Tensor) -> None:
         """Write ``values [*rows.shape, width]`` (``rows`` broadcast to their leading shape) at row numbers ``rows``."""
@@ -243,3 +246,10 @@ class QuantizedRows:
             else:  # one launch for the product and the sum (integers: exact in any order)
                 flat = torch.add(flat, position, alpha=rows_per_step)
         return flat
+
+
+def _into(rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``rows``, or ``out`` (as many values) holding them."""
+    if out is None:
+        return rows
+    return out.view(rows.shape).copy_(rows)

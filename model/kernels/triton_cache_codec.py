@@ -170,10 +170,11 @@ def _constants(fmt: RowFormat, width: int, rows: int | None = None) -> dict:
                 GROUP=fmt.group, BLOCK_ROWS=block_rows)
 
 
-def read_rows(data: torch.Tensor, flat_rows: torch.Tensor, fmt: RowFormat, width: int) -> torch.Tensor:
+def read_rows(data: torch.Tensor, flat_rows: torch.Tensor, fmt: RowFormat, width: int,
+              out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows ``flat_rows [M]`` of ``data`` (contiguous uint8, rows of ``fmt.row_bytes(width)``) -> bf16
-    ``[M, width]``."""
-    return _read(data, flat_rows.reshape(-1), flat_rows.numel(), _NOT_PAGED, fmt, width)
+    ``[M, width]`` (into ``out``, contiguous, if given)."""
+    return _read(data, flat_rows.reshape(-1), flat_rows.numel(), _NOT_PAGED, fmt, width, out)
 
 
 def write_rows(data: torch.Tensor, flat_rows: torch.Tensor, values: torch.Tensor, fmt: RowFormat) -> None:
@@ -182,11 +183,12 @@ def write_rows(data: torch.Tensor, flat_rows: torch.Tensor, values: torch.Tensor
 
 
 def read_entries(data: torch.Tensor, tables: torch.Tensor, seq: torch.Tensor, entries: torch.Tensor,
-                 fmt: RowFormat, width: int) -> torch.Tensor:
+                 fmt: RowFormat, width: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The paged entries (module docstring) of ``data [blocks, per_block, row_bytes]`` -> bf16
-    ``[S, K, width]``, ``[S, K]`` the broadcast shape of ``seq`` and ``entries`` (2-D)."""
+    ``[S, K, width]``, ``[S, K]`` the broadcast shape of ``seq`` and ``entries`` (2-D; into ``out``,
+    contiguous, if given)."""
     pages, shape = _pages(data, tables, seq, entries)
-    return _read(data, tables, shape[0] * shape[1], pages, fmt, width).view(*shape, width)
+    return _read(data, tables, shape[0] * shape[1], pages, fmt, width, out).view(*shape, width)
 
 
 def write_entries(data: torch.Tensor, tables: torch.Tensor, seq: torch.Tensor, entries: torch.Tensor,
@@ -212,8 +214,10 @@ def _pages(data: torch.Tensor, tables: torch.Tensor, seq: torch.Tensor, entries:
     return pages, shape
 
 
-def _read(data, rows, m: int, pages, fmt: RowFormat, width: int) -> torch.Tensor:
-    out = torch.empty(m, width, dtype=torch.bfloat16, device=data.device)
+def _read(data, rows, m: int, pages, fmt: RowFormat, width: int, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        out = torch.empty(m, width, dtype=torch.bfloat16, device=data.device)
+    out = out.view(m, width)  # (a view of a contiguous buffer: the kernel writes rows of ``width`` in turn)
     if m:
         constants = _constants(fmt, width, m)
         _read_rows_kernel[(triton.cdiv(m, constants["BLOCK_ROWS"]),)](
