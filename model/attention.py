@@ -108,7 +108,6 @@ class Attention:
         q, *index_q = project(qr, *query_linears, prepared=fp8_query)
         index_q = index_q[0] if indexed else None
         q = q.unflatten(-1, (cfg.num_heads, cfg.head_dim))  # rotated by the attention below
-        kv = self.kernels.window_kv(kv, w.kv_norm, eps, pos, self.rope, rd)  # normed, rotated, FP8 round trip
 
         if compressing is not None:
             compressing.result()
@@ -117,6 +116,7 @@ class Attention:
                 self._select(x, index_q, batch, cache, state)
         if batch.num_tokens:
             pool, index, valid, widths = self._gather_entries(kv, batch, cache, state)
+            kv = pool[:batch.num_tokens]  # the layer's KV rows, made in the pool's head
             if self.reference_layout:
                 self.kernels.rotate_(q[..., -rd:], pos, self.rope)
                 o = sparse_attention(q, pool[index], valid, widths, w.sink, self.scale)
@@ -124,7 +124,7 @@ class Attention:
             else:  # whole blocks: every row at the batch's width gives each row what its own width gives
                 o = self.kernels.rotary_sparse_attention(q, pool, index, valid, w.sink, self.scale, pos, self.rope, rd)
         else:
-            o = torch.zeros_like(q)
+            o, kv = torch.zeros_like(q), kv[:0]
         self._write_window(kv, batch, cache, state)
         return w.wo_b(self._grouped_output(o, fp8_ready=w.wo_b.quantized), prepared=w.wo_b.quantized)
 
@@ -143,12 +143,13 @@ class Attention:
         """(pool [R, D], index [T, L], valid [T, L], list lengths [T]): every KV row the queries list,
         each held once (the chunk's own rows, the rings of its sequences, the compressed entries), and
         each query's list as indices into it. Queries of one prefill chunk share most of their rows:
-        copying them per query would move thousands of times the bytes.
+        copying them per query would move thousands of times the bytes. ``kv``: ``wkv``'s output, whose
+        rows the window's KV rows (normed, rotated, FP8 round trip) are made from, in the pool's head.
 
         The pool is assembled in place: one buffer per forward and group of layers that share their lists
         (the window layers; each kv source and top-k source), its compressed entries decoded into it once,
         and each layer's own rows (the chunk's, the ring's) written into its head in turn, so no layer
-        concatenates the three (at batch 256 of a 1K context, ~100 MB a layer)."""
+        concatenates the three (at batch 256 of a 1K context, ~100 MB a layer) or copies its chunk's rows."""
         layout, win = batch.layout, self.cfg.sliding_window
         ring_rows = state.once(("window ring rows",), lambda: cache.window_rows(
             layout.seq_slot.unsqueeze(-1), device_ranges.arange(win, kv.device)))
@@ -163,7 +164,9 @@ class Attention:
             key = ("compressed lists", self.role.kv_source, self.role.topk_source)
             pool, index, valid, widths = state.once(key, lambda: self._compressed_lists(
                 batch, cache, state.selections[self.role.topk_source], window, window_index, kv, own))
-        pool[:kv.shape[0]].copy_(kv)
+        cfg = self.cfg
+        self.kernels.window_kv(kv, self.w.kv_norm, cfg.rms_norm_eps, batch.positions, self.rope, cfg.rope_head_dim,
+                               out=pool[:kv.shape[0]])
         cache.read_window_rows(self.role.layer_id, ring_rows, out=pool[kv.shape[0]:own])
         return pool, index, valid, widths
 

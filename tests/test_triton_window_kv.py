@@ -55,3 +55,19 @@ def test_rows_whose_rope_part_splits_a_group_take_the_three_launches():
     assert torch.equal(kernels.window_kv(kv, weight, 1e-6, positions, rope, 16), expected)
     with pytest.raises(ValueError, match="whole groups of 32"):
         triton_window_kv.window_kv(kv, weight, 1e-6, positions, rope.table)
+
+
+@pytest.mark.parametrize("d,rope_dims", [(512, 64), (64, 16)], ids=["one launch", "three launches"])
+def test_rows_made_into_a_buffer_s_head(d, rope_dims):
+    """``window_kv(out=)``: the attention makes its KV rows in the head of its pool of rows; the rows are
+    the returned ones' bits and nothing past them is written."""
+    gen = torch.Generator().manual_seed(d)
+    kv = torch.randn(3, d, generator=gen).bfloat16().to(device())
+    weight = (torch.rand(d, generator=gen) + 0.5).bfloat16().to(device())
+    positions = torch.tensor([0, 17, 4000], device=device())
+    rope, kernels = rope_table(rope_dims), TritonKernels()
+    pool = torch.full((5, d), 7.0, dtype=torch.bfloat16, device=device())
+    made = kernels.window_kv(kv, weight, 1e-6, positions, rope, rope_dims, out=pool[:3])
+    assert made.data_ptr() == pool.data_ptr()
+    assert torch.equal(pool[:3], kernels.window_kv(kv, weight, 1e-6, positions, rope, rope_dims))
+    assert bool((pool[3:] == 7.0).all())

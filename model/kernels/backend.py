@@ -153,13 +153,14 @@ class KernelBackend(ABC):
         return self.rms_norm_and_fp8_ready(self.hc_collapse(stream, pre), weight, eps)
 
     def window_kv(self, kv: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
-                  rope: "RotaryTable", rope_dims: int) -> torch.Tensor:
+                  rope: "RotaryTable", rope_dims: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The attention's KV rows from ``wkv``'s output ``kv [T, D]`` bf16: ``rms_norm`` with ``weight``,
         ``rotate_`` of the last ``rope_dims`` dims at ``positions``, then ``fp8_round_trip`` (a backend may
-        do the three in one launch, with the same bits)."""
+        do the three in one launch, with the same bits); into ``out [T, D]`` (contiguous) if given."""
         kv = self.rms_norm(kv, weight, eps)
         self.rotate_(kv[:, -rope_dims:], positions, rope)
-        return self.fp8_round_trip(kv)
+        rows = self.fp8_round_trip(kv)
+        return rows if out is None else out.copy_(rows)
 
     @abstractmethod
     def fp8_round_trip(self, x: torch.Tensor) -> torch.Tensor:

@@ -236,10 +236,10 @@ class TritonKernels(KernelBackend):
         return act_quant_bf16(x.contiguous())
 
     def window_kv(self, kv: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
-                  rope: RotaryTable, rope_dims: int) -> torch.Tensor:
+                  rope: RotaryTable, rope_dims: int, out: torch.Tensor | None = None) -> torch.Tensor:
         if rope.table.shape[-1] * 2 != rope_dims or not triton_window_kv.takes(kv.shape[-1], rope_dims):
-            return super().window_kv(kv, weight, eps, positions, rope, rope_dims)
-        return triton_window_kv.window_kv(kv, weight, eps, positions, rope.table)
+            return super().window_kv(kv, weight, eps, positions, rope, rope_dims, out)
+        return triton_window_kv.window_kv(kv, weight, eps, positions, rope.table, out)
 
     def fp4_round_trip(self, x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
         return fp4_round_trip(x, block, e4m3_scale)

@@ -56,9 +56,10 @@ def takes(d: int, rope_dims: int) -> bool:
 
 
 def window_kv(kv: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
-              table: torch.Tensor) -> torch.Tensor:
+              table: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``kv [T, D]`` bf16, ``weight [D]``, ``positions [T]``, ``table`` complex64 ``[P, R / 2]`` (the RoPE
-    rotations) -> bf16 ``[T, D]`` (module docstring; ``takes(D, R)``)."""
+    rotations) -> bf16 ``[T, D]`` (module docstring; ``takes(D, R)``), into ``out`` if given (rows of D
+    contiguous values)."""
     t, d = kv.shape
     half = table.shape[-1]
     if kv.dtype != torch.bfloat16 or not takes(d, 2 * half):
@@ -66,7 +67,9 @@ def window_kv(kv: torch.Tensor, weight: torch.Tensor, eps: float, positions: tor
                          f"groups of 32, got {kv.dtype} rows of {d}, rope dims {2 * half}")
     if kv.stride(-1) != 1:
         kv = kv.contiguous()
-    out = torch.empty(t, d, dtype=torch.bfloat16, device=kv.device)
+    if out is None:
+        out = torch.empty(t, d, dtype=torch.bfloat16, device=kv.device)
+    assert out.shape == (t, d) and out.stride(-1) == 1, (out.shape, out.stride())
     if t:
         real = torch.view_as_real(table)  # [P, R / 2, 2] fp32: (cos, sin) pairs
         block_d = triton.next_power_of_2(d)
