@@ -19,11 +19,7 @@ rotating inputs, next to the bytes the call moves at the copy bandwidth measured
 * the window's KV rows (``TritonKernels.window_kv``: RMSNorm, RoPE and the FP8 round trip in one launch,
   against the three launches it replaces, with the same bits);
 * a sub-layer's input (``TritonKernels.hc_collapse_and_norm_fp8_ready``: mHC's collapse and the RMSNorm in one
-  launch, against the two launches it replaces);
-* the attention with its RoPE (``TritonKernels.rotary_sparse_attention``: q rotated and the output rotated
-  back inside the attention's launches, against ``rotate_``, the attention and ``rotate_`` again): 64 heads
-  of 512, lists of 640 entries (the window's 128 and 512 selected), each call on a fresh copy of its q
-  (the launches may rotate q in place).
+  launch, against the two launches it replaces).
 
 Prints one line per (kernel, tokens, setting) and a markdown table at the end.
 """
@@ -49,7 +45,6 @@ from model.rope import RotaryTable, rope_frequencies  # noqa: E402
 
 HC, HIDDEN, ITERS = 4, 5120, 20  # V4.1-Flash's mHC: 4 copies of the hidden state, 20 Sinkhorn iterations
 INDEX_HEADS, INDEX_DIM, KV_DIM, ROPE_DIMS = 32, 128, 512, 64
-HEADS, LISTED = 64, 640  # the attention's heads (of KV_DIM) and a decode row's listed entries at 1K context
 
 
 @contextlib.contextmanager
@@ -118,21 +113,6 @@ def cases(tokens: int, device: torch.device, sets: int, gen: torch.Generator):
     def sublayer_input(backend: type[KernelBackend]):
         return lambda i: backend.hc_collapse_and_norm_fp8_ready(kernels, streams[i], pres[i], hidden_norm, 1e-6)
 
-    unrotated = [torch.randn(tokens, HEADS, KV_DIM, device=device, generator=gen).bfloat16() for _ in range(sets)]
-    q = [x.clone() for x in unrotated]
-    pool = torch.randn(tokens * LISTED, KV_DIM, device=device, generator=gen).bfloat16()
-    index = torch.randperm(tokens * LISTED, device=device, generator=gen).view(tokens, LISTED)
-    valid = torch.ones(tokens, LISTED, dtype=torch.bool, device=device)
-    sink = torch.randn(HEADS, device=device, generator=gen)
-    attention_kernels = TritonKernels(batch_invariant=False)  # the engine's: a few rows split their entries
-
-    def attention(backend: type[KernelBackend]):
-        def call(i):
-            q[i].copy_(unrotated[i])
-            return backend.rotary_sparse_attention(attention_kernels, q[i], pool, index, valid, sink, KV_DIM ** -0.5,
-                                                   positions[i], rope, ROPE_DIMS)
-        return call
-
     blocks = (512, 1024, 2048, 4096)
     return [
         ("mHC coefficients", tokens * HC * HIDDEN * 2 + fn.numel() * 4,
@@ -151,9 +131,6 @@ def cases(tokens: int, device: torch.device, sets: int, gen: torch.Generator):
         ("sub-layer input (mHC collapse, RMSNorm, FP8-ready rows)", tokens * HC * HIDDEN * 2 + 4 * tokens * HIDDEN, [
             ("one launch (now)", sublayer_input(TritonKernels)),
             ("collapse, then the norm", sublayer_input(KernelBackend))]),
-        ("attention with its RoPE (and q's copy)", tokens * (2 * HEADS + LISTED) * KV_DIM * 2, [
-            ("RoPE in the launches (now)", attention(TritonKernels)),
-            ("rotate, attend, rotate back", attention(KernelBackend))]),
     ]
 
 

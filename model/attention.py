@@ -107,7 +107,8 @@ class Attention:
         qr = self.kernels.rms_norm(q_low_rank, w.q_norm, eps, fp8_ready=fp8_query)
         q, *index_q = project(qr, *query_linears, prepared=fp8_query)
         index_q = index_q[0] if indexed else None
-        q = q.unflatten(-1, (cfg.num_heads, cfg.head_dim))  # rotated by the attention below
+        q = q.unflatten(-1, (cfg.num_heads, cfg.head_dim))
+        self.kernels.rotate_(q[..., -rd:], pos, self.rope)
 
         if compressing is not None:
             compressing.result()
@@ -118,13 +119,12 @@ class Attention:
             pool, index, valid, widths = self._gather_entries(kv, batch, cache, state)
             kv = pool[:batch.num_tokens]  # the layer's KV rows, made in the pool's head
             if self.reference_layout:
-                self.kernels.rotate_(q[..., -rd:], pos, self.rope)
                 o = sparse_attention(q, pool[index], valid, widths, w.sink, self.scale)
-                self.kernels.rotate_(o[..., -rd:], pos, self.rope, inverse=True)
             else:  # whole blocks: every row at the batch's width gives each row what its own width gives
-                o = self.kernels.rotary_sparse_attention(q, pool, index, valid, w.sink, self.scale, pos, self.rope, rd)
+                o = self.kernels.sparse_attention(q, pool, index, valid, w.sink, self.scale)
         else:
             o, kv = torch.zeros_like(q), kv[:0]
+        self.kernels.rotate_(o[..., -rd:], pos, self.rope, inverse=True)
         self._write_window(kv, batch, cache, state)
         return w.wo_b(self._grouped_output(o, fp8_ready=w.wo_b.quantized), prepared=w.wo_b.quantized)
 

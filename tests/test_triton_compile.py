@@ -351,31 +351,29 @@ def main() -> int:
               wgmma=False, spill_free=True, pdl=not out_f32)
 
     attention = triton_sparse_attention
-    sizes = "H D L split_len stride_qt stride_qh stride_pool stride_it stride_vt stride_ot stride_oh stride_p"
+    sizes = "H D L split_len stride_qt stride_qh stride_pool stride_it stride_vt stride_ot stride_oh"
     for head_dim, narrow, split in ((512, False, False), (512, True, False), (512, True, True), (64, False, False)):
-        # V4.1-Flash (both layouts, and a few rows' splits); the tiny models; RoPE in the launch or not
+        # V4.1-Flash (both layouts, and a few rows' splits); the tiny models
         block_h, block_d, warps = attention.launch_config(64, head_dim, narrow)
         types = {"q_ptr": "*bf16", "pool_ptr": "*bf16", "index_ptr": "*i64", "valid_ptr": "*u8", "sink_ptr": "*fp32",
-                 "out_ptr": "*fp32" if split else "*bf16", "max_ptr": "*fp32", "sum_ptr": "*fp32", "pos_ptr": "*i64",
-                 "table_ptr": "*fp32", "scale": "fp32", **scalars(sizes)}
+                 "out_ptr": "*fp32" if split else "*bf16", "max_ptr": "*fp32", "sum_ptr": "*fp32", "scale": "fp32",
+                 **scalars(sizes)}
         # At 64 heads of 512 the output accumulator takes 128 registers per thread and the compiler keeps
         # some addressing in local memory: measured faster than every spill-free layout (the kernel's
         # docstring), so only the narrower width is held spill-free.
-        for rope_dims in (0, head_dim // 8):
-            check(f"sparse_attention D={head_dim} heads/program={block_h} split={split} rope={rope_dims}",
-                  attention._sparse_attention_kernel, types,
-                  {"BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_L": attention.BLOCK_L,
-                   "EMPTY_MAX": attention.EMPTY_MAX, "SPLIT": split, "ROPE_DIMS": rope_dims, "INTERPRETED": False},
-                  options={"num_warps": warps, "num_stages": attention.NUM_STAGES, "enable_fp_fusion": False},
-                  aligned=("q_ptr", "pool_ptr", "index_ptr", "valid_ptr", "sink_ptr", "out_ptr", "max_ptr", "sum_ptr",
-                           "pos_ptr", "table_ptr", *sizes.split()),
-                  spill_free=head_dim < 512 or narrow, wgmma=block_h >= 64)
-    for rope_dims in (0, 64):
-        check(f"sparse_attention combine_splits rope={rope_dims}", attention._combine_splits_kernel,
-              {"acc_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
-               "pos_ptr": "*i64", "table_ptr": "*fp32", **scalars("H D SPLITS stride_ot stride_oh stride_p")},
-              {"BLOCK_D": 512, "EMPTY_MAX": attention.EMPTY_MAX, "ROPE_DIMS": rope_dims, "INTERPRETED": False},
-              options={"num_warps": 4, "enable_fp_fusion": False}, wgmma=False, spill_free=True)
+        check(f"sparse_attention D={head_dim} heads/program={block_h} split={split}",
+              attention._sparse_attention_kernel, types,
+              {"BLOCK_H": block_h, "BLOCK_D": block_d, "BLOCK_L": attention.BLOCK_L,
+               "EMPTY_MAX": attention.EMPTY_MAX, "SPLIT": split, "INTERPRETED": False},
+              options={"num_warps": warps, "num_stages": attention.NUM_STAGES, "enable_fp_fusion": False},
+              aligned=("q_ptr", "pool_ptr", "index_ptr", "valid_ptr", "sink_ptr", "out_ptr", "max_ptr", "sum_ptr",
+                       *sizes.split()),
+              spill_free=head_dim < 512 or narrow, wgmma=block_h >= 64)
+    check("sparse_attention combine_splits", attention._combine_splits_kernel,
+          {"acc_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
+           **scalars("H D SPLITS stride_ot stride_oh")},
+          {"BLOCK_D": 512, "EMPTY_MAX": attention.EMPTY_MAX, "INTERPRETED": False},
+          options={"num_warps": 4, "enable_fp_fusion": False}, wgmma=False, spill_free=True)
 
     outputs = ("sorted_ptr", "start_ptr", "count_ptr", "block_expert_ptr", "block_index_ptr")
     for pdl, zero in ((False, False), (True, True)):

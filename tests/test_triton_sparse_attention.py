@@ -255,28 +255,3 @@ def test_rows_shared_by_many_lists_are_read_from_one_pool():
     kv_rows = pool[index.clamp(min=0)]
     ref = sparse_attention_padded(q, kv_rows, valid, sink, scale)
     assert (failure := mismatch(got, ref, q, kv_rows, valid, sink, scale)) is None, failure
-
-
-@pytest.mark.parametrize("shape", [(3, 16, 64, 640, 16, False), (17, 4, 64, 200, 16, True), (2, 20, 64, 200, 16, True),
-                                   (1, 16, 512, 640, 64, False), (3, 64, 512, 200, 64, True)],
-                         ids=lambda s: "T{}-H{}-D{}-L{}-R{}-{}".format(*s[:5], "invariant" if s[5] else "split"))
-def test_rope_in_the_launch_gives_the_separate_launches_bits(shape):
-    """``rotary_sparse_attention``: the Triton backend rotates q as the attention loads it and the output
-    back where it is stored (by the combining launch when a few rows split their entries), with
-    ``_rope_kernel``'s arithmetic: the same bits as its three launches (unsplit, q is rotated in place
-    first: each program alone reads its heads of q)."""
-    from model.kernels.backend import KernelBackend
-    from model.kernels.triton_backend import TritonKernels
-    from model.rope import RotaryTable, rope_frequencies
-
-    t, h, d, length, rope_dims, invariant = shape
-    q, kv, valid, sink, scale = random_inputs(t, h, d, length, seed=sum(shape), device=device())
-    _, pool, index, *_ = as_pool(q, kv, valid, sink, scale)
-    table = RotaryTable(rope_frequencies(rope_dims, 10000.0, 1.0, 0, 32, 1), 9000, device())
-    positions = torch.randint(0, 9000, (t,), generator=torch.Generator().manual_seed(t)).to(device())
-    backend = TritonKernels(batch_invariant=invariant)
-    args = (pool, index, valid, sink, scale, positions, table, rope_dims)
-    fused = backend.rotary_sparse_attention(q.clone(), *args)  # (q may be rotated in place)
-    apart = KernelBackend.rotary_sparse_attention(backend, q.clone(), *args)  # rotate_, attention, rotate_ back
-    assert torch.equal(fused, apart)
-    assert not torch.equal(fused, backend.sparse_attention(q, pool, index, valid, sink, scale))  # RoPE taken

@@ -108,17 +108,6 @@ class KernelBackend(ABC):
         sum only (unscaled) and the output is ``bf16(acc / sum)``. A row without a valid entry yields
         zeros, and padding a list with holes changes no bit of its row."""
 
-    def rotary_sparse_attention(self, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, valid: torch.Tensor,
-                                sink: torch.Tensor, scale: float, positions: torch.Tensor, rope: "RotaryTable",
-                                rope_dims: int) -> torch.Tensor:
-        """``sparse_attention`` with the attention's RoPE around it: the last ``rope_dims`` dims of ``q`` rotated
-        at ``positions`` before (``q`` may be rotated in place), the output's rotated back after (``rotate_``
-        with ``inverse``). A backend may do both inside its attention launches, with the same bits."""
-        self.rotate_(q[..., -rope_dims:], positions, rope)
-        o = self.sparse_attention(q, pool, index, valid, sink, scale)
-        self.rotate_(o[..., -rope_dims:], positions, rope, inverse=True)
-        return o
-
     @abstractmethod
     def hc_coefficients(self, stream: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
                         hc: int, iters: int, hc_eps: float,

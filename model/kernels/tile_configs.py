@@ -226,10 +226,11 @@ ROUND_TRIP_IN_PRODUCERS = True
 # docs/benchmarks.md)
 SIDE_STREAM = True
 
-# RoPE in the launches that consume it: the attention rotates its queries as it loads them and its output
-# back where it stores it, and the FP4 round trips of the index queries and the compressor's keys and
-# entries rotate their input as they load it (the bits of ``rotate_`` apart); off: ``rotate_``'s own
-# launches, two per layer and one per FP4 round trip more (the benchmarks' comparison)
+# RoPE in the launches that consume it: the FP4 round trips of the index queries and the compressor's keys
+# and entries rotate their input as they load it (the bits of ``rotate_`` apart); off: ``rotate_``'s own
+# launch before each (the benchmarks' comparison). The sparse attention's queries and output were tried too
+# and measured slower (docs/benchmarks.md: each program's rotation adds its dependent loads and barriers to
+# a launch of one wave): they keep ``rotate_``'s launches
 ROPE_IN_CONSUMERS = True
 
 # The routed experts take ``triton_mma_experts`` (the tensor cores fed from registers, blocks of 8 pairs)

@@ -50,30 +50,8 @@ def rotate_with_partner(x, partner, second, cos, sin):
     """fp32 rotation of values ``x`` whose pair partners are ``partner`` (``second``: ``x`` is its pair's
     second value), in ``_rope_kernel``'s order, so the same bits: ``a cos - b sin`` for a pair ``(a, b)``'s
     first value, ``a sin + b cos`` for its second (pass ``-sin`` to rotate back). Kernels that take RoPE
-    into a launch of their own (the sparse attention) load each value's partner at column ``c ^ 1``."""
+    into a launch of their own (the FP4 round trip) load each value's partner at column ``c ^ 1``."""
     return tl.where(second, partner * sin + x * cos, x * cos - partner * sin)
-
-
-@triton.jit
-def rotate_stored_(row_ptrs, mask, first_col, position, table_ptr, stride_p, ROPE_DIMS: tl.constexpr,
-                   INVERSE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Rotate in place the ``ROPE_DIMS`` values from ``first_col`` (even) of the bf16 rows at ``row_ptrs``
-    (any shape, ``mask`` alike), which this program has just stored: the rows' values are read back after
-    a barrier (every thread's stores visible), and replaced after a second one (every partner read)."""
-    tl.debug_barrier()
-    dims = tl.arange(0, ROPE_DIMS)
-    cols = first_col + dims
-    at = tl.expand_dims(row_ptrs, -1) + cols
-    inside = tl.expand_dims(mask, -1)
-    x = bf16_exact(tl.load(at, mask=inside, other=0.0))
-    partner = bf16_exact(tl.load(tl.expand_dims(row_ptrs, -1) + (cols ^ 1), mask=inside, other=0.0))
-    cos = tl.load(table_ptr + position * stride_p + 2 * (dims // 2))
-    sin = tl.load(table_ptr + position * stride_p + 2 * (dims // 2) + 1)
-    if INVERSE:
-        sin = -sin
-    rotated = to_bf16(rotate_with_partner(x, partner, dims % 2 == 1, cos, sin), INTERPRETED)
-    tl.debug_barrier()
-    tl.store(at, rotated, mask=inside)
 
 
 def rotate_(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, inverse: bool = False) -> torch.Tensor:

@@ -42,15 +42,6 @@ rounds ``p`` to bf16 against its own running maximum, not the twin's, so more ou
 twin by one ulp, within the same bound (``tests/test_triton_sparse_attention.py``). The batch-invariant
 mode never splits.
 
-RoPE in the launch (``positions`` and ``table``: ``TritonKernels.rotary_sparse_attention``, what the model
-calls): the attention's queries arrive unrotated and its output leaves rotated back, with ``_rope_kernel``'s
-arithmetic (``triton_rope.rotate_with_partner``), so the bits of ``rotate_``, the attention and ``rotate_``
-again, in one launch instead of three (two with splits: the combining launch rotates the output back).
-Unsplit, a program alone reads its heads of q, so it rotates their last dims where they are, then loads
-them; with splits, every split reads them, so each rotates its copy in registers. The output's last dims
-are rotated back once stored (``rotate_stored_``: read back after a barrier, replaced after another), which
-keeps the [heads, R] rotation out of the accumulator's registers.
-
 Every elementwise step is the twin's, in its order: fp32 fusion is off (the twin rounds each
 product and each sum), the division is IEEE's and ``exp`` is CUDA's ``expf`` (what torch runs).
 Results differ from the twin only through the order of the fp32 sums: inside the two products,
@@ -75,8 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRETED, bf16_exact, dot_bf16, exp_f32, sm_count, to_bf16
-from .triton_rope import rotate_stored_, rotate_with_partner
+from .triton_common import INTERPRETED, dot_bf16, exp_f32, sm_count, to_bf16
 
 BLOCK_L = 64  # listed entries per online-softmax step: the twin's block
 MAX_BLOCK_H = 64  # heads per program: the warpgroup instructions' 64 rows
@@ -86,15 +76,12 @@ EMPTY_MAX = -1e30  # the twin's start of the running max: finite, so exp(old - n
 
 
 @triton.jit
-def _sparse_attention_kernel(q_ptr, pool_ptr, index_ptr, valid_ptr, sink_ptr, out_ptr, max_ptr, sum_ptr, pos_ptr,
-                             table_ptr, scale, H, D, L, split_len, stride_qt, stride_qh, stride_pool, stride_it,
-                             stride_vt, stride_ot, stride_oh, stride_p, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                             BLOCK_L: tl.constexpr, EMPTY_MAX: tl.constexpr, SPLIT: tl.constexpr,
-                             ROPE_DIMS: tl.constexpr, INTERPRETED: tl.constexpr):
+def _sparse_attention_kernel(q_ptr, pool_ptr, index_ptr, valid_ptr, sink_ptr, out_ptr, max_ptr, sum_ptr, scale,
+                             H, D, L, split_len, stride_qt, stride_qh, stride_pool, stride_it, stride_vt, stride_ot,
+                             stride_oh, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+                             EMPTY_MAX: tl.constexpr, SPLIT: tl.constexpr, INTERPRETED: tl.constexpr):
     # SPLIT: program (row and heads, split) runs the row's entries split * split_len .. (a whole number of
-    # blocks) and writes its running max, sum and unnormalized output (fp32) for _combine_splits_kernel.
-    # ROPE_DIMS: q's last ROPE_DIMS dims are rotated at the row's position as they are loaded, and (unsplit)
-    # the output's rotated back once stored (the module docstring: RoPE in the launch)
+    # blocks) and writes its running max, sum and unnormalized output (fp32) for _combine_splits_kernel
     split = tl.program_id(1)
     head_blocks = tl.cdiv(H, BLOCK_H)
     row = (tl.program_id(0) // head_blocks).to(tl.int64)
@@ -103,23 +90,8 @@ def _sparse_attention_kernel(q_ptr, pool_ptr, index_ptr, valid_ptr, sink_ptr, ou
     offs_l = tl.arange(0, BLOCK_L)
     h_mask = offs_h < H
     d_mask = offs_d < D
-    q_rows = q_ptr + row * stride_qt + offs_h * stride_qh
-    if ROPE_DIMS and not SPLIT:  # this program alone reads these heads of q: they are rotated where they are
-        rotate_stored_(q_rows, h_mask, D - ROPE_DIMS, tl.load(pos_ptr + row).to(tl.int64), table_ptr, stride_p,
-                       ROPE_DIMS, False, INTERPRETED)
-        tl.debug_barrier()  # every thread's rotated values stored before q is loaded
-    q = tl.load(q_rows[:, None] + offs_d[None, :], mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
-    if ROPE_DIMS and SPLIT:  # the row's splits all read these heads: each rotates them in registers
-        position = tl.load(pos_ptr + row).to(tl.int64)
-        rotated_col = (offs_d >= D - ROPE_DIMS) & d_mask
-        pair = tl.where(rotated_col, (offs_d - (D - ROPE_DIMS)) // 2, 0)
-        cos = tl.load(table_ptr + position * stride_p + 2 * pair, mask=rotated_col, other=1.0)
-        sin = tl.load(table_ptr + position * stride_p + 2 * pair + 1, mask=rotated_col, other=0.0)
-        partner = tl.load(q_rows[:, None] + (offs_d ^ 1)[None, :], mask=h_mask[:, None] & rotated_col[None, :],
-                          other=0.0)
-        rotated = rotate_with_partner(bf16_exact(q), bf16_exact(partner), (offs_d % 2 == 1)[None, :],
-                                      cos[None, :], sin[None, :])
-        q = tl.where(rotated_col[None, :], to_bf16(rotated, INTERPRETED), q)
+    q = tl.load(q_ptr + row * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
     index_ptr += row * stride_it
     valid_ptr += row * stride_vt
     # the blocks from the first valid entry's to the last's (blocks of holes change nothing)
@@ -161,20 +133,15 @@ def _sparse_attention_kernel(q_ptr, pool_ptr, index_ptr, valid_ptr, sink_ptr, ou
     seen = running_max > EMPTY_MAX
     sum_exp = sum_exp + exp_f32(tl.where(seen, sink - running_max, 0.0), INTERPRETED)
     out = tl.div_rn(acc, sum_exp[:, None])
-    out_rows = out_ptr + row * stride_ot + offs_h * stride_oh
-    tl.store(out_rows[:, None] + offs_d[None, :], to_bf16(out, INTERPRETED), mask=h_mask[:, None] & d_mask[None, :])
-    if ROPE_DIMS and not SPLIT:  # (the code past a split's return is compiled for it too)
-        rotate_stored_(out_rows, h_mask, D - ROPE_DIMS, tl.load(pos_ptr + row).to(tl.int64), table_ptr, stride_p,
-                       ROPE_DIMS, True, INTERPRETED)
+    tl.store(out_ptr + row * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], to_bf16(out, INTERPRETED),
+             mask=h_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
-def _combine_splits_kernel(acc_ptr, max_ptr, sum_ptr, sink_ptr, out_ptr, pos_ptr, table_ptr, H, D, SPLITS, stride_ot,
-                           stride_oh, stride_p, BLOCK_D: tl.constexpr, EMPTY_MAX: tl.constexpr,
-                           ROPE_DIMS: tl.constexpr, INTERPRETED: tl.constexpr):
+def _combine_splits_kernel(acc_ptr, max_ptr, sum_ptr, sink_ptr, out_ptr, H, D, SPLITS, stride_ot, stride_oh,
+                           BLOCK_D: tl.constexpr, EMPTY_MAX: tl.constexpr, INTERPRETED: tl.constexpr):
     """One (row, head): its splits' running maxima, sums and unnormalized outputs brought to the largest
-    maximum and added in split order; then the sink joins the denominator, as in the unsplit kernel
-    (``ROPE_DIMS``: and the output's last dims are rotated back, as the unsplit kernel does)."""
+    maximum and added in split order; then the sink joins the denominator, as in the unsplit kernel."""
     row, head = tl.program_id(0) // H, tl.program_id(0) % H
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
@@ -191,12 +158,7 @@ def _combine_splits_kernel(acc_ptr, max_ptr, sum_ptr, sink_ptr, out_ptr, pos_ptr
     sink = tl.load(sink_ptr + head)
     sum_exp = sum_exp + exp_f32(tl.where(top > EMPTY_MAX, sink - top, 0.0), INTERPRETED)
     out = tl.div_rn(acc, sum_exp)
-    out_row = out_ptr + row * stride_ot + head * stride_oh
-    tl.store(out_row + offs_d, to_bf16(out, INTERPRETED), mask=d_mask)
-    if ROPE_DIMS:
-        position = tl.load(pos_ptr + row).to(tl.int64)
-        rotate_stored_(out_row + tl.zeros([1], dtype=tl.int32), tl.full([1], 1, tl.int1), D - ROPE_DIMS, position,
-                       table_ptr, stride_p, ROPE_DIMS, True, INTERPRETED)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, to_bf16(out, INTERPRETED), mask=d_mask)
 
 
 def launch_config(h: int, d: int, narrow_heads: bool = False) -> tuple[int, int, int]:
@@ -226,14 +188,11 @@ def split_config(programs: int, length: int, sms: int) -> tuple[int, int]:
 
 
 def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, valid: torch.Tensor,
-                     sink: torch.Tensor, scale: float, batch_invariant: bool = True,
-                     positions: torch.Tensor | None = None, table: torch.Tensor | None = None) -> torch.Tensor:
+                     sink: torch.Tensor, scale: float, batch_invariant: bool = True) -> torch.Tensor:
     """q ``[T, H, D]`` bf16 over each row's listed KV rows ``pool[index[t]]`` (``pool [R, D]`` bf16,
     ``index [T, L]`` integer, ``valid [T, L]`` bool, False: a hole), with ``sink [H]`` fp32 ->
     ``[T, H, D]`` bf16 (see the module docstring). Without ``batch_invariant`` a few rows take 16
-    heads per program. With ``positions [T]`` and ``table`` (complex64 ``[P, R / 2]``, a ``RotaryTable``'s):
-    q's last R dims are rotated before and the output's rotated back after, in the launches (``q`` itself
-    is not written)."""
+    heads per program."""
     t, h, d = q.shape
     length = index.shape[1]
     out = torch.empty(t, h, d, dtype=torch.bfloat16, device=q.device)
@@ -250,13 +209,6 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, v
         valid = valid.contiguous()
     valid = valid.view(torch.uint8)  # same bytes; a bool pointer is awkward in a kernel
     sink = sink.float().contiguous()
-    rope_dims, real = 0, sink  # (the table's pointer is not read without RoPE)
-    if table is not None:
-        rope_dims, real = 2 * table.shape[-1], torch.view_as_real(table)  # [P, R / 2, 2] fp32: (cos, sin) pairs
-        assert (d - rope_dims) % 2 == 0 and rope_dims & (rope_dims - 1) == 0, (d, rope_dims)
-        positions = positions.contiguous()
-    else:
-        positions = sink
     narrow = not batch_invariant and few_rows(t)
     block_h, block_d, warps = launch_config(h, d, narrow_heads=narrow)
     programs = t * triton.cdiv(h, block_h)
@@ -269,13 +221,12 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, v
     else:
         target = maxima = sums = out
     _sparse_attention_kernel[(programs, splits)](
-        q, pool, index, valid, sink, target, maxima, sums, positions, real, float(scale), h, d, length, split_len,
+        q, pool, index, valid, sink, target, maxima, sums, float(scale), h, d, length, split_len,
         q.stride(0), q.stride(1), pool.stride(0), index.stride(0), valid.stride(0), out.stride(0), out.stride(1),
-        real.stride(0), BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_L=BLOCK_L, EMPTY_MAX=EMPTY_MAX, SPLIT=splits > 1,
-        ROPE_DIMS=rope_dims, INTERPRETED=INTERPRETED, num_warps=warps, num_stages=NUM_STAGES, enable_fp_fusion=False)
+        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_L=BLOCK_L, EMPTY_MAX=EMPTY_MAX, SPLIT=splits > 1,
+        INTERPRETED=INTERPRETED, num_warps=warps, num_stages=NUM_STAGES, enable_fp_fusion=False)
     if splits > 1:
-        _combine_splits_kernel[(t * h,)](acc, maxima, sums, sink, out, positions, real, h, d, splits, out.stride(0),
-                                         out.stride(1), real.stride(0), BLOCK_D=block_d, EMPTY_MAX=EMPTY_MAX,
-                                         ROPE_DIMS=rope_dims, INTERPRETED=INTERPRETED, num_warps=4,
-                                         enable_fp_fusion=False)
+        _combine_splits_kernel[(t * h,)](acc, maxima, sums, sink, out, h, d, splits, out.stride(0), out.stride(1),
+                                         BLOCK_D=block_d, EMPTY_MAX=EMPTY_MAX, INTERPRETED=INTERPRETED,
+                                         num_warps=4, enable_fp_fusion=False)
     return out
