@@ -228,9 +228,11 @@ SIDE_STREAM = True
 
 # RoPE in the launches that consume it: the FP4 round trips of the index queries and the compressor's keys
 # and entries rotate their input as they load it (the bits of ``rotate_`` apart); off: ``rotate_``'s own
-# launch before each (the benchmarks' comparison). The sparse attention's queries and output were tried too
-# and measured slower (docs/benchmarks.md: each program's rotation adds its dependent loads and barriers to
-# a launch of one wave): they keep ``rotate_``'s launches
+# launch before each (the benchmarks' comparison). On one H100 the index queries' two launches took 3.76 /
+# 4.23 / 4.63 µs at 1 / 16 / 64 tokens, the one 3.17 / 3.53 / 4.16 (``benchmarks/small_kernels.py``). The
+# sparse attention's queries and output were tried too and measured slower (64.2 against 56.2 µs at 16 rows:
+# each program's rotation adds its dependent loads and barriers to a launch of about one wave;
+# docs/benchmarks.md): they keep ``rotate_``'s launches
 ROPE_IN_CONSUMERS = True
 
 # The routed experts take ``triton_mma_experts`` (the tensor cores fed from registers, blocks of 8 pairs)
