@@ -196,7 +196,6 @@ class TritonKernels(KernelBackend):
                          sink: torch.Tensor, scale: float) -> torch.Tensor:
         return sparse_attention(q, pool, index, valid, sink, scale, batch_invariant=self.batch_invariant)
 
-
     def hc_coefficients(self, stream: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
                         hc: int, iters: int, hc_eps: float,
                         norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
