@@ -333,7 +333,8 @@ def main() -> int:
                              "stream instead of a second one "
                              "(SIDE_STREAM off; list it before any engine that uses the side stream: a process "
                              "that ran kernels on a second stream replays graphs slower), -norope RoPE in launches "
-                             "of its own, not in the FP4 round trips' (ROPE_IN_CONSUMERS off; "
+                             "of its own, not in the FP4 round trips' and the attention's combining launch "
+                             "(ROPE_IN_CONSUMERS off; "
                              "these six: in-process "
                              "engine only), -pdl programmatic dependent launch on (--enable-pdl) for that "
                              "run")

@@ -120,11 +120,12 @@ class Attention:
             kv = pool[:batch.num_tokens]  # the layer's KV rows, made in the pool's head
             if self.reference_layout:
                 o = sparse_attention(q, pool[index], valid, widths, w.sink, self.scale)
+                self.kernels.rotate_(o[..., -rd:], pos, self.rope, inverse=True)
             else:  # whole blocks: every row at the batch's width gives each row what its own width gives
-                o = self.kernels.sparse_attention(q, pool, index, valid, w.sink, self.scale)
+                o = self.kernels.sparse_attention_rotated_back(q, pool, index, valid, w.sink, self.scale, pos,
+                                                               self.rope, rd)
         else:
             o, kv = torch.zeros_like(q), kv[:0]
-        self.kernels.rotate_(o[..., -rd:], pos, self.rope, inverse=True)
         self._write_window(kv, batch, cache, state)
         return w.wo_b(self._grouped_output(o, fp8_ready=w.wo_b.quantized), prepared=w.wo_b.quantized)
 

@@ -369,11 +369,12 @@ def main() -> int:
               aligned=("q_ptr", "pool_ptr", "index_ptr", "valid_ptr", "sink_ptr", "out_ptr", "max_ptr", "sum_ptr",
                        *sizes.split()),
               spill_free=head_dim < 512 or narrow, wgmma=block_h >= 64)
-    check("sparse_attention combine_splits", attention._combine_splits_kernel,
-          {"acc_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
-           **scalars("H D SPLITS stride_ot stride_oh")},
-          {"BLOCK_D": 512, "EMPTY_MAX": attention.EMPTY_MAX, "INTERPRETED": False},
-          options={"num_warps": 4, "enable_fp_fusion": False}, wgmma=False, spill_free=True)
+    for rope_dims in (0, 64):  # the output rotated back in the combining launch, or not
+        check(f"sparse_attention combine_splits rope={rope_dims}", attention._combine_splits_kernel,
+              {"acc_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
+               "pos_ptr": "*i64", "table_ptr": "*fp32", **scalars("H D SPLITS stride_ot stride_oh stride_p")},
+              {"BLOCK_D": 512, "EMPTY_MAX": attention.EMPTY_MAX, "ROPE_DIMS": rope_dims, "INTERPRETED": False},
+              options={"num_warps": 4, "enable_fp_fusion": False}, wgmma=False, spill_free=True)
 
     outputs = ("sorted_ptr", "start_ptr", "count_ptr", "block_expert_ptr", "block_index_ptr")
     for pdl, zero in ((False, False), (True, True)):

@@ -255,3 +255,34 @@ def test_rows_shared_by_many_lists_are_read_from_one_pool():
     kv_rows = pool[index.clamp(min=0)]
     ref = sparse_attention_padded(q, kv_rows, valid, sink, scale)
     assert (failure := mismatch(got, ref, q, kv_rows, valid, sink, scale)) is None, failure
+
+
+@pytest.mark.parametrize("shape", [(1, 64, 512, 640, 64, False), (3, 16, 64, 640, 16, False),
+                                   (2, 20, 64, 200, 16, False), (17, 4, 64, 200, 16, False),
+                                   (3, 64, 64, 200, 16, True)],
+                         ids=lambda s: "T{}-H{}-D{}-L{}-R{}{}".format(*s[:5], "-invariant" if s[5] else ""))
+def test_the_output_rotated_back_in_the_launches_is_rotate_s_bits(shape, monkeypatch):
+    """``sparse_attention_rotated_back``: where a few rows split their entries, the combining launch rotates
+    the output back in its registers (each pair in one thread) with ``_rope_kernel``'s arithmetic; elsewhere
+    ``rotate_`` runs after the attention. Either way the bits of the attention and ``rotate_`` apart."""
+    from model.kernels import triton_sparse_attention as attention
+    from model.kernels.backend import KernelBackend
+    from model.kernels.triton_backend import TritonKernels
+    from model.rope import RotaryTable, rope_frequencies
+
+    t, h, d, length, rope_dims, invariant = shape
+    q, kv, valid, sink, scale = random_inputs(t, h, d, length, seed=sum(shape), device=device())
+    _, pool, index, *_ = as_pool(q, kv, valid, sink, scale)
+    table = RotaryTable(rope_frequencies(rope_dims, 10000.0, 1.0, 0, 32, 1), 9000, device())
+    positions = torch.randint(0, 9000, (t,), generator=torch.Generator().manual_seed(t)).to(device())
+    backend = TritonKernels(batch_invariant=invariant)
+    args = (q, pool, index, valid, sink, scale, positions, table, rope_dims)
+    apart = KernelBackend.sparse_attention_rotated_back(backend, *args)
+    launches = []
+    real = attention.rotate_
+    monkeypatch.setattr(attention, "rotate_", lambda *a, **k: launches.append(1) or real(*a, **k))
+    fused = backend.sparse_attention_rotated_back(*args)
+    assert torch.equal(fused, apart)
+    assert not torch.equal(fused, backend.sparse_attention(q, pool, index, valid, sink, scale))  # rotated
+    split = not invariant and attention.few_rows(t)  # (every case's list is several blocks long)
+    assert launches == ([] if split else [1])

@@ -108,6 +108,15 @@ class KernelBackend(ABC):
         sum only (unscaled) and the output is ``bf16(acc / sum)``. A row without a valid entry yields
         zeros, and padding a list with holes changes no bit of its row."""
 
+    def sparse_attention_rotated_back(self, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor,
+                                      valid: torch.Tensor, sink: torch.Tensor, scale: float, positions: torch.Tensor,
+                                      rope: "RotaryTable", rope_dims: int) -> torch.Tensor:
+        """``sparse_attention``, then its output's last ``rope_dims`` dims rotated back (``rotate_`` with
+        ``inverse`` at ``positions``; a backend may do it inside the attention's launches, with the same bits)."""
+        o = self.sparse_attention(q, pool, index, valid, sink, scale)
+        self.rotate_(o[..., -rope_dims:], positions, rope, inverse=True)
+        return o
+
     @abstractmethod
     def hc_coefficients(self, stream: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
                         hc: int, iters: int, hc_eps: float,

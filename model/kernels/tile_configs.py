@@ -227,8 +227,9 @@ ROUND_TRIP_IN_PRODUCERS = True
 SIDE_STREAM = True
 
 # RoPE in the launches that consume it: the FP4 round trips of the index queries and the compressor's keys
-# and entries rotate their input as they load it (the bits of ``rotate_`` apart); off: ``rotate_``'s own
-# launch before each (the benchmarks' comparison). On one H100 the index queries' two launches took 3.76 /
+# and entries rotate their input as they load it, and where a few rows split their attention the combining
+# launch rotates the output back (the bits of ``rotate_`` apart); off: ``rotate_``'s own launch for each
+# (the benchmarks' comparison). On one H100 the index queries' two launches took 3.76 /
 # 4.23 / 4.63 µs at 1 / 16 / 64 tokens, the one 3.17 / 3.53 / 4.16 (``benchmarks/small_kernels.py``). The
 # sparse attention's queries and output were tried too and measured slower (64.2 against 56.2 µs at 16 rows:
 # each program's rotation adds its dependent loads and barriers to a launch of about one wave;

@@ -196,6 +196,15 @@ class TritonKernels(KernelBackend):
                          sink: torch.Tensor, scale: float) -> torch.Tensor:
         return sparse_attention(q, pool, index, valid, sink, scale, batch_invariant=self.batch_invariant)
 
+    def sparse_attention_rotated_back(self, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor,
+                                      valid: torch.Tensor, sink: torch.Tensor, scale: float, positions: torch.Tensor,
+                                      rope: RotaryTable, rope_dims: int) -> torch.Tensor:
+        if rope.table.shape[-1] * 2 != rope_dims or not tile_configs.ROPE_IN_CONSUMERS:
+            return super().sparse_attention_rotated_back(q, pool, index, valid, sink, scale, positions, rope,
+                                                         rope_dims)
+        return sparse_attention(q, pool, index, valid, sink, scale, batch_invariant=self.batch_invariant,
+                                positions=positions, table=rope.table)
+
     def hc_coefficients(self, stream: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
                         hc: int, iters: int, hc_eps: float,
                         norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -66,7 +66,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRETED, dot_bf16, exp_f32, sm_count, to_bf16
+from .triton_common import INTERPRETED, bf16_exact, dot_bf16, exp_f32, sm_count, to_bf16
+from .triton_rope import rotate_
 
 BLOCK_L = 64  # listed entries per online-softmax step: the twin's block
 MAX_BLOCK_H = 64  # heads per program: the warpgroup instructions' 64 rows
@@ -138,18 +139,31 @@ def _sparse_attention_kernel(q_ptr, pool_ptr, index_ptr, valid_ptr, sink_ptr, ou
 
 
 @triton.jit
-def _combine_splits_kernel(acc_ptr, max_ptr, sum_ptr, sink_ptr, out_ptr, H, D, SPLITS, stride_ot, stride_oh,
-                           BLOCK_D: tl.constexpr, EMPTY_MAX: tl.constexpr, INTERPRETED: tl.constexpr):
+def _combine_splits_kernel(acc_ptr, max_ptr, sum_ptr, sink_ptr, out_ptr, pos_ptr, table_ptr, H, D, SPLITS, stride_ot,
+                           stride_oh, stride_p, BLOCK_D: tl.constexpr, EMPTY_MAX: tl.constexpr,
+                           ROPE_DIMS: tl.constexpr, INTERPRETED: tl.constexpr):
     """One (row, head): its splits' running maxima, sums and unnormalized outputs brought to the largest
-    maximum and added in split order; then the sink joins the denominator, as in the unsplit kernel."""
+    maximum and added in split order; then the sink joins the denominator, as in the unsplit kernel.
+    ``ROPE_DIMS``: the output's last dims then rotated back at the row's position, as ``rotate_`` would
+    rotate the stored output. The values are held as ``[BLOCK_D / 2, 2]`` pairs, each in one thread's
+    registers, so the rotation exchanges nothing between threads (every step is elementwise: the shape
+    changes no bit)."""
     row, head = tl.program_id(0) // H, tl.program_id(0) % H
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = 2 * tl.arange(0, BLOCK_D // 2)[:, None] + tl.arange(0, 2)[None, :]  # [BLOCK_D / 2, 2]
     d_mask = offs_d < D
+    if ROPE_DIMS:  # issued first: the rotation's loads overlap the splits'
+        # (cos, sin) of each rotated pair, loaded as pairs too: in the output pairs' registers
+        rotated = (offs_d >= D - ROPE_DIMS) & d_mask
+        table_row = table_ptr + tl.load(pos_ptr + row).to(tl.int64) * stride_p
+        cos, sin = tl.split(tl.load(table_row + tl.where(rotated, offs_d - (D - ROPE_DIMS), 0), mask=rotated,
+                                    other=0.0))
+        rotated_pair, _ = tl.split(rotated)
+        sin = -sin  # rotated back: the conjugate
     first = row * SPLITS * H + head  # split s of this (row, head): first + s * H
     top = tl.load(max_ptr + first)
     for s in range(1, SPLITS):
         top = tl.maximum(top, tl.load(max_ptr + first + s * H))
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_D // 2, 2), dtype=tl.float32)
     sum_exp = 0.0
     for s in range(0, SPLITS):
         rescale = exp_f32(tl.load(max_ptr + first + s * H) - top, INTERPRETED)
@@ -157,8 +171,12 @@ def _combine_splits_kernel(acc_ptr, max_ptr, sum_ptr, sink_ptr, out_ptr, H, D, S
         acc = acc + tl.load(acc_ptr + (first + s * H) * D + offs_d, mask=d_mask, other=0.0) * rescale
     sink = tl.load(sink_ptr + head)
     sum_exp = sum_exp + exp_f32(tl.where(top > EMPTY_MAX, sink - top, 0.0), INTERPRETED)
-    out = tl.div_rn(acc, sum_exp)
-    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, to_bf16(out, INTERPRETED), mask=d_mask)
+    out = to_bf16(tl.div_rn(acc, sum_exp), INTERPRETED)
+    if ROPE_DIMS:
+        a, b = tl.split(bf16_exact(out))  # each pair of the output as rotate_ reads it
+        out = to_bf16(tl.join(tl.where(rotated_pair, a * cos - b * sin, a),  # _rope_kernel's arithmetic, in its order
+                              tl.where(rotated_pair, a * sin + b * cos, b)), INTERPRETED)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, out, mask=d_mask)
 
 
 def launch_config(h: int, d: int, narrow_heads: bool = False) -> tuple[int, int, int]:
@@ -188,11 +206,14 @@ def split_config(programs: int, length: int, sms: int) -> tuple[int, int]:
 
 
 def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, valid: torch.Tensor,
-                     sink: torch.Tensor, scale: float, batch_invariant: bool = True) -> torch.Tensor:
+                     sink: torch.Tensor, scale: float, batch_invariant: bool = True,
+                     positions: torch.Tensor | None = None, table: torch.Tensor | None = None) -> torch.Tensor:
     """q ``[T, H, D]`` bf16 over each row's listed KV rows ``pool[index[t]]`` (``pool [R, D]`` bf16,
     ``index [T, L]`` integer, ``valid [T, L]`` bool, False: a hole), with ``sink [H]`` fp32 ->
     ``[T, H, D]`` bf16 (see the module docstring). Without ``batch_invariant`` a few rows take 16
-    heads per program."""
+    heads per program. With ``positions [T]`` and ``table`` (complex64 ``[P, R / 2]``, a ``RotaryTable``'s)
+    the output's last R dims come rotated back (``rotate_(..., inverse=True)``'s bits): by the combining
+    launch where the rows split their entries, by ``rotate_`` after the attention elsewhere."""
     t, h, d = q.shape
     length = index.shape[1]
     out = torch.empty(t, h, d, dtype=torch.bfloat16, device=q.device)
@@ -226,7 +247,12 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, v
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_L=BLOCK_L, EMPTY_MAX=EMPTY_MAX, SPLIT=splits > 1,
         INTERPRETED=INTERPRETED, num_warps=warps, num_stages=NUM_STAGES, enable_fp_fusion=False)
     if splits > 1:
-        _combine_splits_kernel[(t * h,)](acc, maxima, sums, sink, out, h, d, splits, out.stride(0), out.stride(1),
-                                         BLOCK_D=block_d, EMPTY_MAX=EMPTY_MAX, INTERPRETED=INTERPRETED,
+        rope_dims, real = (0, sink) if table is None else (2 * table.shape[-1], torch.view_as_real(table))
+        assert (d - rope_dims) % 2 == 0, (d, rope_dims)
+        _combine_splits_kernel[(t * h,)](acc, maxima, sums, sink, out, sink if table is None else positions, real, h,
+                                         d, splits, out.stride(0), out.stride(1), real.stride(0), BLOCK_D=block_d,
+                                         EMPTY_MAX=EMPTY_MAX, ROPE_DIMS=rope_dims, INTERPRETED=INTERPRETED,
                                          num_warps=4, enable_fp_fusion=False)
+    elif table is not None:
+        rotate_(out[..., -2 * table.shape[-1]:], positions, table, inverse=True)
     return out
