@@ -100,7 +100,7 @@ class Attention:
         compressing = (self.kernels.beside(x, lambda: self.compressor(x, batch, cache, self.rope))
                        if self.compressor is not None else None)  # (a kv source's: a compressed layer's)
         fp8_input = quantized(w.wq_a, w.wkv)
-        q_low_rank, kv = project(x_fp8 if fp8_input else x, w.wq_a, w.wkv, prepared=fp8_input)
+        q_low_rank, kv_projected = project(x_fp8 if fp8_input else x, w.wq_a, w.wkv, prepared=fp8_input)
         indexed = self.role.compress_ratio and self.indexer is not None  # the indexer's queries come from qr too
         query_linears = (w.wq_b, self.indexer.wq_b) if indexed else (w.wq_b,)
         fp8_query = quantized(*query_linears)  # qr goes to these alone
@@ -116,8 +116,8 @@ class Attention:
             if self.indexer is not None:
                 self._select(x, index_q, batch, cache, state)
         if batch.num_tokens:
-            pool, index, valid, widths = self._gather_entries(kv, batch, cache, state)
-            kv = pool[:batch.num_tokens]  # the layer's KV rows, made in the pool's head
+            pool, index, valid, widths = self._gather_entries(kv_projected, batch, cache, state)
+            kv = pool[:batch.num_tokens]  # the layer's KV rows (normed, rotated, FP8 round trip): the pool's head
             if self.reference_layout:
                 o = sparse_attention(q, pool[index], valid, widths, w.sink, self.scale)
                 self.kernels.rotate_(o[..., -rd:], pos, self.rope, inverse=True)
@@ -125,7 +125,7 @@ class Attention:
                 o = self.kernels.sparse_attention_rotated_back(q, pool, index, valid, w.sink, self.scale, pos,
                                                                self.rope, rd)
         else:
-            o, kv = torch.zeros_like(q), kv[:0]
+            o, kv = torch.zeros_like(q), kv_projected[:0]
         self._write_window(kv, batch, cache, state)
         return w.wo_b(self._grouped_output(o, fp8_ready=w.wo_b.quantized), prepared=w.wo_b.quantized)
 
@@ -149,8 +149,9 @@ class Attention:
 
         The pool is assembled in place: one buffer per forward and group of layers that share their lists
         (the window layers; each kv source and top-k source), its compressed entries decoded into it once,
-        and each layer's own rows (the chunk's, the ring's) written into its head in turn, so no layer
-        concatenates the three (at batch 256 of a 1K context, ~100 MB a layer) or copies its chunk's rows."""
+        and each layer's own rows (the chunk's, the ring's) written into its head in turn (after the layer
+        before has attended: one stream orders them), so no layer concatenates the three (at batch 256 of a
+        1K context, ~100 MB a layer) or copies its chunk's rows."""
         layout, win = batch.layout, self.cfg.sliding_window
         ring_rows = state.once(("window ring rows",), lambda: cache.window_rows(
             layout.seq_slot.unsqueeze(-1), device_ranges.arange(win, kv.device)))
