@@ -42,6 +42,12 @@ rounds ``p`` to bf16 against its own running maximum, not the twin's, so more ou
 twin by one ulp, within the same bound (``tests/test_triton_sparse_attention.py``). The batch-invariant
 mode never splits.
 
+The output's RoPE (``positions`` and ``table``: ``TritonKernels.sparse_attention_rotated_back``): where the rows
+split, ``_combine_splits_kernel`` rotates the output's last dims back before it stores them, holding each pair in one
+thread's registers, with ``_rope_kernel``'s arithmetic (the bits of ``rotate_`` after the attention, one launch
+fewer); elsewhere ``rotate_`` runs after the attention. Taking the queries' rotation and the unsplit output's into
+the main launch was measured slower (``docs/benchmarks.md``): it adds dependent loads and barriers to every program.
+
 Every elementwise step is the twin's, in its order: fp32 fusion is off (the twin rounds each
 product and each sum), the division is IEEE's and ``exp`` is CUDA's ``expf`` (what torch runs).
 Results differ from the twin only through the order of the fp32 sums: inside the two products,
