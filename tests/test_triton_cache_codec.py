@@ -140,3 +140,26 @@ def test_the_model_gives_the_same_bits_through_the_cache_kernels(tiny_model, run
     monkeypatch.setattr(QuantizedRows, "__init__", fused_init)
     fused = run_sequence(tiny_model, prompt, steps)
     assert torch.equal(fused.prefill, plain.prefill) and torch.equal(fused.steps, plain.steps)
+
+
+@pytest.mark.parametrize("fused_path", [False, True], ids=["torch", "kernel"])
+def test_reads_into_a_buffer_write_there_and_nowhere_else(fused_path):
+    """``read_rows(out=)`` and ``read_entries(out=)``: the attention decodes the rings and the compressed
+    entries straight into its pool of rows. The rows land in ``out`` (a slice of a larger buffer), equal to
+    what a read without ``out`` returns, and nothing around the slice changes."""
+    fmt = FORMATS[0]
+    store = QuantizedRows(RowCodec(fmt, WIDTH, device()), (7, 4), device())
+    store.fused = fused_path  # QuantizedRows' choice on CUDA; here also in the interpreter
+    on = lambda t: t.to(device())  # noqa: E731
+    store.write(on(torch.arange(7).unsqueeze(-1)), on(torch.arange(4).expand(7, 4)),
+                values=on(corner_rows(fmt, 9)[:28].view(7, 4, WIDTH)))
+    buffer = torch.full((20, WIDTH), 3.0, dtype=torch.bfloat16, device=device())
+    rows = on(torch.tensor([[5, 2, 27]]))
+    got = store.read_rows(rows, out=buffer[2:5])
+    assert got.data_ptr() == buffer[2:5].data_ptr() and torch.equal(bits(got), bits(store.read_rows(rows)))
+    tables, seq, entries = on(torch.tensor([[3, 5], [6, 0]])), on(torch.tensor([[1], [0]])), on(torch.tensor([[0, 2]]))
+    got = store.read_entries(tables, seq, entries, out=buffer[7:11])
+    assert got.data_ptr() == buffer[7:11].data_ptr()
+    assert torch.equal(bits(got), bits(store.read_entries(tables, seq, entries)))
+    untouched = torch.cat([buffer[:2], buffer[5:7], buffer[11:]])
+    assert bool((untouched == 3.0).all())

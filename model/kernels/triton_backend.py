@@ -199,7 +199,7 @@ class TritonKernels(KernelBackend):
     def sparse_attention_rotated_back(self, q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor,
                                       valid: torch.Tensor, sink: torch.Tensor, scale: float, positions: torch.Tensor,
                                       rope: RotaryTable, rope_dims: int) -> torch.Tensor:
-        if rope.table.shape[-1] * 2 != rope_dims or not tile_configs.ROPE_IN_CONSUMERS:
+        if not _rope_inside(rope, rope_dims):
             return super().sparse_attention_rotated_back(q, pool, index, valid, sink, scale, positions, rope,
                                                          rope_dims)
         return sparse_attention(q, pool, index, valid, sink, scale, batch_invariant=self.batch_invariant,
@@ -247,7 +247,7 @@ class TritonKernels(KernelBackend):
 
     def rotary_fp4_round_trip(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable, rope_dims: int,
                               block: int, e4m3_scale: bool) -> torch.Tensor:
-        if rope.table.shape[-1] * 2 != rope_dims or not tile_configs.ROPE_IN_CONSUMERS:
+        if not _rope_inside(rope, rope_dims):
             return super().rotary_fp4_round_trip(x, positions, rope, rope_dims, block, e4m3_scale)
         return fp4_round_trip(x, block, e4m3_scale, positions=positions, table=rope.table)
 
@@ -291,3 +291,9 @@ class TritonKernels(KernelBackend):
 
     def ngram_hash_ids(self, *args) -> torch.Tensor:
         return ngram_hash_ids(*args)
+
+
+def _rope_inside(rope: RotaryTable, rope_dims: int) -> bool:
+    """Whether a kernel that consumes rotated values takes the rotation itself (``ROPE_IN_CONSUMERS``): the
+    table's pairs must be the ``rope_dims`` rotated, as ``rotate_`` rotates them."""
+    return tile_configs.ROPE_IN_CONSUMERS and rope.table.shape[-1] * 2 == rope_dims

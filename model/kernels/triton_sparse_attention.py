@@ -253,12 +253,14 @@ def sparse_attention(q: torch.Tensor, pool: torch.Tensor, index: torch.Tensor, v
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_L=BLOCK_L, EMPTY_MAX=EMPTY_MAX, SPLIT=splits > 1,
         INTERPRETED=INTERPRETED, num_warps=warps, num_stages=NUM_STAGES, enable_fp_fusion=False)
     if splits > 1:
-        rope_dims, real = (0, sink) if table is None else (2 * table.shape[-1], torch.view_as_real(table))
+        rope_dims, real, at = 0, sink, sink  # without RoPE the table's and the positions' pointers are not read
+        if table is not None:
+            rope_dims, real, at = 2 * table.shape[-1], torch.view_as_real(table), positions
         assert (d - rope_dims) % 2 == 0, (d, rope_dims)
-        _combine_splits_kernel[(t * h,)](acc, maxima, sums, sink, out, sink if table is None else positions, real, h,
-                                         d, splits, out.stride(0), out.stride(1), real.stride(0), BLOCK_D=block_d,
-                                         EMPTY_MAX=EMPTY_MAX, ROPE_DIMS=rope_dims, INTERPRETED=INTERPRETED,
-                                         num_warps=4, enable_fp_fusion=False)
+        _combine_splits_kernel[(t * h,)](acc, maxima, sums, sink, out, at, real, h, d, splits, out.stride(0),
+                                         out.stride(1), real.stride(0), BLOCK_D=block_d, EMPTY_MAX=EMPTY_MAX,
+                                         ROPE_DIMS=rope_dims, INTERPRETED=INTERPRETED, num_warps=4,
+                                         enable_fp_fusion=False)
     elif table is not None:
         rotate_(out[..., -2 * table.shape[-1]:], positions, table, inverse=True)
     return out
