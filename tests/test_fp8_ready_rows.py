@@ -60,18 +60,25 @@ def test_swiglu_writes_the_round_trip_of_its_output():
     assert same_bits(swiglu(gate, up, 10.0, round_trip=True), fp8_qdq(plain.cpu(), 32))
 
 
-@pytest.mark.parametrize("max_splits", [1, 64])  # the output stored by the product, or where its splits are added
-def test_decode_form_writes_the_round_trip_of_its_output(max_splits, monkeypatch):
+# one split: the product rounds its output in its own epilogue (a tile of 64 or 128 rows: two or four groups of
+# 32 features, a group's rows split between two tiles of 64); more: where its splits are added
+@pytest.mark.parametrize("block_w,max_splits", [(64, 1), (128, 1), (64, 64)])
+def test_decode_form_writes_the_round_trip_of_its_output(block_w, max_splits, monkeypatch):
     from model.kernels import tile_configs
 
     monkeypatch.setattr(tile_configs, "_DECODE_MM_TABLE",
-                        ((64, tile_configs.DecodeConfig(64, 64, 4, 3, programs_per_sm=64, max_splits=max_splits)),))
+                        ((64, tile_configs.DecodeConfig(block_w, 64, 4, 3, programs_per_sm=64, max_splits=max_splits)),))
     gen = torch.Generator().manual_seed(max_splits)
-    weight = random_weight(WeightFormat.FP8, 3 * 64, 128, gen).to(device())
+    weight = random_weight(WeightFormat.FP8, 3 * 128, 128, gen).to(device())
     x = wide_rows(12, 3 * 128, gen)
     plain = triton_decode_mm.decode_mm(x, weight.values, weight.scales, weight.fmt, groups=3)
+    round_trips = []  # launches of their own
+    real = triton_decode_mm.act_quant_bf16
+    monkeypatch.setattr(triton_decode_mm, "act_quant_bf16",
+                        lambda a, **options: round_trips.append(a.shape) or real(a, **options))
     rounded = triton_decode_mm.decode_mm(x, weight.values, weight.scales, weight.fmt, groups=3, round_trip=True)
     assert same_bits(rounded, fp8_qdq(plain.cpu(), 32))
+    assert not round_trips
 
 
 @pytest.mark.parametrize("m,batch_invariant", [(2, False), (5, False), (12, False), (12, True), (300, False)])

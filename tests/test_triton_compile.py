@@ -252,7 +252,8 @@ def main() -> int:
         [(bound, cfg, False) for rows in tile_configs._DECODE_MM_BY_SHAPE.values() for bound, cfg in rows]
     for bound, cfg, any_format in decode_rows:
         block_t = max(16, triton.next_power_of_2(bound))
-        formats = ((0, True, False), (0, False, False), (2, False, True))  # wo_a; the head
+        # wo_a (one split: its output's FP8 round trip in the epilogue); the head
+        formats = ((0, True, False), (0, False, False), (2, False, True))
         for b_fmt, partial, out_f32 in formats if any_format else formats[:2]:
             w_type = "*u8" if b_fmt == 0 else "*bf16"
             types = {**decode, "w_ptr": w_type, "s_ptr": w_type, "w2_ptr": w_type, "s2_ptr": w_type,
@@ -261,8 +262,8 @@ def main() -> int:
             check(f"decode_mm fmt={b_fmt} partial={partial} {cfg}", triton_decode_mm._decode_mm_kernel, types,
                   {"B_FMT": b_fmt, "BLOCK_T": block_t, "BLOCK_W": cfg.block_w, "BLOCK_K": cfg.block_k,
                    "EVEN_K": True, "SCALE_WORDS": b_fmt == 0, "PARTIAL": partial, "OUT_F32": out_f32,
-                   "LINE": 128 // element, "FETCH_LINES": triton_decode_mm.fetch_lines(cfg, element),
-                   "EXACT_DOT": False}, cfg,
+                   "ROUND_TRIP": b_fmt == 0 and not partial, "LINE": 128 // element,
+                   "FETCH_LINES": triton_decode_mm.fetch_lines(cfg, element), "EXACT_DOT": False}, cfg,
                   aligned=decode_aligned, spill_free=True, inspect=copied_ahead, pdl=partial, prefetch=True)
     def scales_copied_ahead(kernel) -> list[str]:  # the scale words too: 4-byte asynchronous copies
         return copied_ahead(kernel) + ([] if re.search(r"LDGSTS\.E\s", kernel.asm["sass"]) else
@@ -281,7 +282,7 @@ def main() -> int:
             check(f"fp8_decode_mm tokens={block_t} partial={partial} scale_words={words} {fitted}",
                   triton_decode_mm._decode_mm_kernel, types,
                   {"B_FMT": 0, "BLOCK_T": block_t, "BLOCK_W": fitted.block_w, "BLOCK_K": fitted.block_k, "EVEN_K": True,
-                   "SCALE_WORDS": words, "PARTIAL": partial, "OUT_F32": False, "LINE": 128,
+                   "SCALE_WORDS": words, "PARTIAL": partial, "OUT_F32": False, "ROUND_TRIP": False, "LINE": 128,
                    "FETCH_LINES": triton_decode_mm.fetch_lines(fitted, 1), "EXACT_DOT": False}, fitted,
                   aligned=decode_aligned, spill_free=True, inspect=scales_copied_ahead if words else copied_ahead,
                   pdl=partial and words, prefetch=True)

@@ -62,7 +62,7 @@ import triton.language as tl
 
 from ..config import WeightFormat
 from .tile_configs import DecodeConfig, decode_mm_config, fp8_decode_config
-from .triton_common import INTERPRETED, fp8_round_trip_row, sm_count, to_bf16
+from .triton_common import INTERPRETED, bf16_exact, fp8_round_trip_groups, fp8_round_trip_row, sm_count, to_bf16
 from .triton_dependent_launch import fetch_into_l2, launch_arguments, let_next_kernel_start, wait_for_previous_kernel
 from .triton_scaled_mm import act_quant_bf16
 from .triton_weight_tiles import FORMAT_CODES, row_exponents, scale_words, scaled_rows
@@ -77,8 +77,8 @@ def _decode_mm_kernel(a_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, M, N, N2, K,
                       stride_am, stride_ag, stride_wn, stride_wg, stride_sn, stride_sg, stride_os, stride_om,
                       B_FMT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr,
                       BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SCALE_WORDS: tl.constexpr, PARTIAL: tl.constexpr,
-                      OUT_F32: tl.constexpr, LINE: tl.constexpr, FETCH_LINES: tl.constexpr, PDL: tl.constexpr,
-                      EXACT_DOT: tl.constexpr):
+                      OUT_F32: tl.constexpr, ROUND_TRIP: tl.constexpr, LINE: tl.constexpr, FETCH_LINES: tl.constexpr,
+                      PDL: tl.constexpr, EXACT_DOT: tl.constexpr):
     pid_w, split, group = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # the first weight's row tiles (of this group), then the second's, whose outputs follow the first's
     tiles = tl.cdiv(N, BLOCK_W)
@@ -116,7 +116,10 @@ def _decode_mm_kernel(a_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, out_ptr, M, N, N2, K,
     if PARTIAL or OUT_F32:
         tl.store(out_ptr, acc, mask=mask)
     else:
-        tl.store(out_ptr, to_bf16(acc, EXACT_DOT), mask=mask)
+        out = to_bf16(acc, EXACT_DOT)
+        if ROUND_TRIP:  # one split: the FP8 round trip per 32 features here (a tile holds whole groups of them)
+            out = tl.trans(fp8_round_trip_groups(bf16_exact(tl.trans(out)), BLOCK_T, BLOCK_W)).to(tl.bfloat16)
+        tl.store(out_ptr, out, mask=mask)
 
 
 @triton.jit
@@ -222,7 +225,7 @@ def decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None
     ``cfg``: the config (default: ``decode_mm_config``'s for this launch); ``second``: a second weight ``(values [N2, K],
     scales)`` of the same format times the same ``a`` (one group), its outputs in columns N..N+N2;
     ``round_trip``: the bf16 output's FP8 round trip per 32 instead (rows of a multiple of 32), taken
-    where the splits are added (one split: a launch of its own). ``pdl``: programmatic dependent launch where
+    where the splits are added (one split: in the product's own epilogue). ``pdl``: programmatic dependent launch where
     the GPU has it (``triton_dependent_launch``): each program fetches its first steps' weight into L2
     before it waits for the previous kernel, and lets the next start once its weight is streamed; the
     split sums wait first."""
@@ -231,9 +234,9 @@ def decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None
     n = values.shape[0] // groups
     n2 = second[0].shape[0] if second is not None else 0
     _check_rows(m)
-    if round_trip and (out_dtype != torch.bfloat16 or (groups * n + n2) % 32):
-        raise ValueError(f"the FP8 round trip takes bf16 rows of a multiple of 32, got {out_dtype} rows of "
-                         f"{groups * n + n2}")
+    if round_trip and (out_dtype != torch.bfloat16 or n % 32 or n2 % 32):
+        raise ValueError(f"the FP8 round trip takes bf16 rows of whole groups of 32 per weight, got {out_dtype} "
+                         f"rows of {n} (+ {n2})")
     if second is not None:
         values, scales, second = _pair_operands(values, scales, second, k, groups)
     out = torch.empty(m, groups * n + n2, dtype=out_dtype, device=a.device)
@@ -262,12 +265,11 @@ def decode_mm(a: torch.Tensor, values: torch.Tensor, scales: torch.Tensor | None
         m * width if partial else 0, width,
         B_FMT=FORMAT_CODES[fmt], BLOCK_T=block_t, BLOCK_W=cfg.block_w, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, SCALE_WORDS=words, PARTIAL=partial, OUT_F32=out_dtype == torch.float32,
+        ROUND_TRIP=round_trip and not partial,
         LINE=LINE_BYTES // values.element_size(), FETCH_LINES=fetch_lines(cfg, values.element_size()),
         EXACT_DOT=INTERPRETED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_arguments(pdl, a.device))
-    if partial:
-        return _sum_splits(target, out, round_trip, pdl)
-    return act_quant_bf16(out, pdl=pdl) if round_trip else out
+    return _sum_splits(target, out, round_trip, pdl) if partial else out
 
 
 def _pair_operands(values: torch.Tensor, scales: torch.Tensor | None, second: tuple[torch.Tensor, torch.Tensor | None],
