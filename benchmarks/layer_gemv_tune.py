@@ -38,10 +38,11 @@ def candidates():
 def decode_candidates(m: int):
     """The decode form's (``triton_decode_mm``) at ``m`` tokens. Up to 64: 64 or 128 weight rows at 4 warps
     (4 measured best), 128- or 256-column steps, 3 or 4 stages, K split until 2, 4 or 8 programs per SM within
-    one wave, or a second wave allowed at 4 per SM (the grouped ``wo_a``'s table row). From 65 (one token tile
-    of up to 256): 64 rows at 4 warps or 128 at 8 (the fp32 sums of 128 rows x 256 tokens need 8 warps' registers),
-    64- or 128-column steps (what fits in shared memory at 256 tokens), 3 or 4 stages, 1 or 2 programs per SM in
-    one wave."""
+    one wave, or a second wave allowed at 4 per SM (the grouped ``wo_a``'s table row); and at most one program
+    per SM with 4 or 6 stages, which leaves K whole where a launch has about an SM's worth of row tiles (then no
+    launch adds split sums). From 65 (one token tile of up to 256): 64 rows at 4 warps or 128 at 8 (the fp32
+    sums of 128 rows x 256 tokens need 8 warps' registers), 64- or 128-column steps (what fits in shared memory
+    at 256 tokens), 3 or 4 stages, 1 or 2 programs per SM in one wave."""
     from model.kernels.tile_configs import DecodeConfig
 
     if m > 64:
@@ -49,7 +50,9 @@ def decode_candidates(m: int):
                 for step in (64, 128) for stages in (3, 4) for pps in (1, 2)]
     return [DecodeConfig(rows, step, 4, stages, pps, one_wave=True) for rows in (64, 128) for step in (128, 256)
             for stages in (3, 4) for pps in (2, 4, 8)] + \
-        [DecodeConfig(rows, step, 4, 3, 4) for rows in (64, 128) for step in (128, 256)]
+        [DecodeConfig(rows, step, 4, 3, 4) for rows in (64, 128) for step in (128, 256)] + \
+        [DecodeConfig(rows, step, 4, stages, 1, one_wave=True) for rows, step in ((64, 128), (64, 256), (128, 128))
+         for stages in (4, 6)]
 
 
 def launch_family(m: int, grouped: bool) -> tuple[str, str] | None:
