@@ -301,6 +301,7 @@ TABLE_SUFFIXES: dict[str, tuple[tuple[str, object], ...]] = {
     "noready": (("ROUND_TRIP_IN_PRODUCERS", False),),
     "noside": (("SIDE_STREAM", False),),
     "norope": (("ROPE_IN_CONSUMERS", False),),
+    "ringapart": (("RING_WRITE_IN_WINDOW_KV", False),),
 }
 
 
@@ -334,8 +335,9 @@ def main() -> int:
                              "(SIDE_STREAM off; list it before any engine that uses the side stream: a process "
                              "that ran kernels on a second stream replays graphs slower), -norope RoPE in launches "
                              "of its own, not in the FP4 round trips' and the attention's combining launch "
-                             "(ROPE_IN_CONSUMERS off; "
-                             "these six: in-process "
+                             "(ROPE_IN_CONSUMERS off), -ringapart a decode step's window rows stored in the "
+                             "rings by a launch of their own (RING_WRITE_IN_WINDOW_KV off; "
+                             "these seven: in-process "
                              "engine only), -pdl programmatic dependent launch on (--enable-pdl) for that "
                              "run")
     parser.add_argument("--batch", default="1,8,32,128,256", help="sequences per DP rank")

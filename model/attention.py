@@ -167,8 +167,12 @@ class Attention:
             pool, index, valid, widths = state.once(key, lambda: self._compressed_lists(
                 batch, cache, state.selections[self.role.topk_source], window, window_index, kv, own))
         cfg = self.cfg
+        # a decode step's rows go into the rings here, in the launch that makes them, before the rings are read:
+        # each overwrites its sequence's position - window, which no list holds (the window ends one later)
+        ring = cache.window_write(self.role.layer_id, self._decode_ring_rows(batch, cache, state)) \
+            if batch.padded else None
         self.kernels.window_kv(kv, self.w.kv_norm, cfg.rms_norm_eps, batch.positions, self.rope, cfg.rope_head_dim,
-                               out=pool[:kv.shape[0]])
+                               out=pool[:kv.shape[0]], ring=ring)
         cache.read_window_rows(self.role.layer_id, ring_rows, out=pool[kv.shape[0]:own])
         return pool, index, valid, widths
 
@@ -225,14 +229,17 @@ class Attention:
         return pool, index
 
     def _write_window(self, kv: torch.Tensor, batch: ForwardBatch, cache: V41Cache, state: ForwardState) -> None:
-        """Keep the last ``window`` positions of every chunk in its sequence's ring (row = pos % W)."""
-        win, layout, pos = self.cfg.sliding_window, batch.layout, batch.positions
-        if batch.padded:  # one token per row: every row is its sequence's newest position
-            rows = state.once(("window write rows",), lambda: cache.window_rows(layout.slot, pos % win))
-            cache.write_window_rows(self.role.layer_id, rows, kv)
+        """Keep the last ``window`` positions of every chunk in its sequence's ring (row = pos % W); a decode
+        step's rows are there already (``_gather_entries``)."""
+        if batch.padded or not batch.num_tokens:
             return
         keep, rows = state.once(("window write rows",), lambda: self._kept_rows(batch, cache))
         cache.write_window_rows(self.role.layer_id, rows, kv[keep])
+
+    def _decode_ring_rows(self, batch: ForwardBatch, cache: V41Cache, state: ForwardState) -> torch.Tensor:
+        """A decode step's rows in the window stores: one token per row, each its sequence's newest position."""
+        win, layout, pos = self.cfg.sliding_window, batch.layout, batch.positions
+        return state.once(("window write rows",), lambda: cache.window_rows(layout.slot, pos % win))
 
     def _kept_rows(self, batch: ForwardBatch, cache: V41Cache) -> tuple[torch.Tensor, torch.Tensor]:
         """(the tokens among a chunk's last ``window``, and their rows in the window stores)."""

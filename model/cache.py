@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache_formats import COMPRESSED_KV, INDEX_KEYS, WINDOW_KV, QuantizedRows, RowCodec
+from .cache_formats import COMPRESSED_KV, INDEX_KEYS, WINDOW_KV, QuantizedRows, RowCodec, RowsWrite
 from .config import V41Config
 
 DEFAULT_BLOCK_SIZE = 128
@@ -137,6 +137,10 @@ class V41Cache:
 
     def write_window_rows(self, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
         self.window[layer].write_rows(rows, values)
+
+    def window_write(self, layer: int, rows: torch.Tensor) -> RowsWrite:
+        """``write_window_rows`` of values still to be made: for the kernel that makes them to store them too."""
+        return RowsWrite(self.window[layer], rows)
 
     def read_compressed_kv(self, layer: int, blocks: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Compressed KV entries ``[..., head_dim]`` bf16 at (block, row) pairs."""

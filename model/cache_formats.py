@@ -248,6 +248,19 @@ class QuantizedRows:
         return flat
 
 
+@dataclass(frozen=True)
+class RowsWrite:
+    """Values still to be made, and where a cache store keeps them: ``store``'s rows ``rows``
+    (``QuantizedRows.write_rows``). Handed to the code that makes the values (``KernelBackend.window_kv``), so
+    that a kernel may encode and store them in the launch that makes them; calling it writes them apart."""
+
+    store: QuantizedRows
+    rows: torch.Tensor
+
+    def __call__(self, values: torch.Tensor) -> None:
+        self.store.write_rows(self.rows, values)
+
+
 def _into(rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """``rows``, or ``out`` (as many values) holding them."""
     if out is None:

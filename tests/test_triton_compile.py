@@ -440,11 +440,13 @@ def main() -> int:
               {"HC": 4, "BLOCK_D": 8192, "OUTPUTS": outputs, "INTERPRETED": False},
               options={"num_warps": triton_rms_norm.row_warps(8192), "enable_fp_fusion": False},
               wgmma=False, pdl=pdl, spill_free=True, prefetch=True)
-    check("window_kv D=512 R=64", triton_window_kv._window_kv_kernel,
-          {"x_ptr": "*bf16", "w_ptr": "*bf16", "pos_ptr": "*i64", "table_ptr": "*fp32", "out_ptr": "*bf16",
-           **scalars("D stride_x stride_o stride_p"), "inv_d": "fp32", "eps": "fp32"},
-          {"BLOCK_D": 512, "HALF": 32, "INTERPRETED": False}, options={"num_warps": 1, "enable_fp_fusion": False},
-          wgmma=False, spill_free=True)
+    for ring in (False, True):  # a decode step's rows stored in the window's ring by the same launch
+        check(f"window_kv D=512 R=64 ring={ring}", triton_window_kv._window_kv_kernel,
+              {"x_ptr": "*bf16", "w_ptr": "*bf16", "pos_ptr": "*i64", "table_ptr": "*fp32", "out_ptr": "*bf16",
+               "ring_ptr": "*u8" if ring else "*bf16", "ring_rows_ptr": "*i64" if ring else "*bf16",
+               **scalars("D stride_x stride_o stride_p"), "inv_d": "fp32", "eps": "fp32"},
+              {"BLOCK_D": 512, "HALF": 32, "RING": ring, "UE8M0": ring, "INTERPRETED": False},
+              options={"num_warps": 1, "enable_fp_fusion": False}, wgmma=False, spill_free=True)
     for inverse in (False, True):
         check(f"rope inverse={inverse}", triton_rope._rope_kernel,
               {"x_ptr": "*bf16", "pos_ptr": "*i64", "table_ptr": "*fp32", **scalars("H stride_xt stride_xh stride_p")},

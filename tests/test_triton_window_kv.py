@@ -13,6 +13,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from model.cache_formats import WINDOW_KV, QuantizedRows, RowCodec, RowsWrite  # noqa: E402
 from model.kernels import triton_window_kv  # noqa: E402
 from model.kernels.backend import KernelBackend  # noqa: E402
 from model.kernels.triton_backend import TritonKernels  # noqa: E402
@@ -37,7 +38,8 @@ def test_one_launch_gives_the_three_launches_bits(rows, d, rope_dims, monkeypatc
     assert torch.equal(one.view(torch.int16), three.view(torch.int16))
     launches = []  # the backend takes the one launch for these rows
     real = triton_window_kv.window_kv
-    monkeypatch.setattr(triton_window_kv, "window_kv", lambda *args: launches.append(1) or real(*args))
+    monkeypatch.setattr(triton_window_kv, "window_kv",
+                        lambda *args, **options: launches.append(1) or real(*args, **options))
     assert torch.equal(kernels.window_kv(kv, weight, 1e-6, positions, rope, rope_dims), one)
     assert launches == [1]
 
@@ -71,3 +73,34 @@ def test_rows_made_into_a_buffer_s_head(d, rope_dims):
     assert made.data_ptr() == pool.data_ptr()
     assert torch.equal(pool[:3], kernels.window_kv(kv, weight, 1e-6, positions, rope, rope_dims))
     assert bool((pool[3:] == 7.0).all())
+
+
+@pytest.mark.parametrize("d,rope_dims", [(512, 64), (96, 32), (64, 16)],
+                         ids=["one launch", "one launch, 96 dims", "three launches"])
+def test_rows_stored_in_the_ring_as_the_codec_stores_them(d, rope_dims, monkeypatch):
+    """``window_kv(ring=)``: a decode step's rows go into the window's ring in the launch that makes them
+    (apart, where the kernel does not take the rows): the bytes that the codec's own encoding writes for the
+    returned rows, at their rows, and no other byte changed. Values across many scales (FP8 subnormals,
+    the scale's floor) exercise the encoding."""
+    gen = torch.Generator().manual_seed(d + rope_dims)
+    scales = torch.logspace(-7, 2, d // 32).repeat_interleave(32)
+    kv = (torch.randn(3, d, generator=gen) * scales).bfloat16().to(device())
+    weight = (torch.rand(d, generator=gen) + 0.5).bfloat16().to(device())
+    positions = torch.tensor([0, 17, 4000], device=device())
+    rope, kernels = rope_table(rope_dims), TritonKernels()
+    rows = torch.tensor([5, 17, 62], device=device())  # of 4 slots x 16 ring rows
+
+    ring = QuantizedRows(RowCodec(WINDOW_KV, d, device()), (4, 16), device())
+    ring.fused = True  # the kernels' path (on CPU, in Triton's interpreter)
+    ring.data.copy_(torch.randint(0, 256, ring.data.shape, generator=gen, dtype=torch.uint8))
+    expected = QuantizedRows(RowCodec(WINDOW_KV, d, "cpu"), (4, 16), "cpu")  # the codec's torch encoding
+    expected.fused = False
+    expected.data.copy_(ring.data.cpu())
+    calls = []  # the rows written apart, after the launch
+    real_call = RowsWrite.__call__
+    monkeypatch.setattr(RowsWrite, "__call__", lambda self, values: calls.append(1) or real_call(self, values))
+    made = kernels.window_kv(kv, weight, 1e-6, positions, rope, rope_dims, ring=RowsWrite(ring, rows))
+    assert torch.equal(made, kernels.window_kv(kv, weight, 1e-6, positions, rope, rope_dims))
+    expected.write_rows(rows.cpu(), made.cpu())
+    assert torch.equal(ring.data.cpu(), expected.data)
+    assert len(calls) == (0 if triton_window_kv.takes(d, rope_dims) else 1)  # stored inside the launch, or apart

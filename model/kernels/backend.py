@@ -39,6 +39,7 @@ from .weights import ExpertWeights, QuantizedWeight
 T = TypeVar("T")
 
 if TYPE_CHECKING:
+    from ..cache_formats import RowsWrite
     from ..rope import RotaryTable
     from ..routing import RoutingRule
 
@@ -151,14 +152,20 @@ class KernelBackend(ABC):
         return self.rms_norm_and_fp8_ready(self.hc_collapse(stream, pre), weight, eps)
 
     def window_kv(self, kv: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
-                  rope: "RotaryTable", rope_dims: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                  rope: "RotaryTable", rope_dims: int, out: torch.Tensor | None = None,
+                  ring: "RowsWrite | None" = None) -> torch.Tensor:
         """The attention's KV rows from ``wkv``'s output ``kv [T, D]`` bf16: ``rms_norm`` with ``weight``,
         ``rotate_`` of the last ``rope_dims`` dims at ``positions``, then ``fp8_round_trip`` (a backend may
-        do the three in one launch, with the same bits); into ``out [T, D]`` (contiguous) if given."""
+        do the three in one launch, with the same bits); into ``out [T, D]`` (contiguous) if given;
+        ``ring``: the rows also written there (the window's ring; a backend may store them in the same
+        launch, with the same bytes)."""
         kv = self.rms_norm(kv, weight, eps)
         self.rotate_(kv[:, -rope_dims:], positions, rope)
         rows = self.fp8_round_trip(kv)
-        return rows if out is None else out.copy_(rows)
+        rows = rows if out is None else out.copy_(rows)
+        if ring is not None:
+            ring(rows)
+        return rows
 
     @abstractmethod
     def fp8_round_trip(self, x: torch.Tensor) -> torch.Tensor:

@@ -236,6 +236,11 @@ SIDE_STREAM = True
 # docs/benchmarks.md): they keep ``rotate_``'s launches
 ROPE_IN_CONSUMERS = True
 
+# A decode step's window rows stored in the rings by the launch that makes them (``triton_window_kv``'s ring):
+# one launch fewer per layer; off: the cache's own write launch, at the same point of the step (the benchmarks'
+# comparison)
+RING_WRITE_IN_WINDOW_KV = True
+
 # The routed experts take ``triton_mma_experts`` (the tensor cores fed from registers, blocks of 8 pairs)
 # outside the batch-invariant mode while a step has at most this many pairs per expert on average; 0:
 # never. On one H200 (``benchmarks/kernels.py --kernels moe --tensor-core-experts 0`` / ``8``, 384

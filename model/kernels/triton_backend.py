@@ -11,6 +11,7 @@ from typing import TypeVar
 
 import torch
 
+from ..cache_formats import RowsWrite
 from ..config import WeightFormat
 from ..rope import RotaryTable
 from ..routing import RoutingRule
@@ -237,10 +238,18 @@ class TritonKernels(KernelBackend):
         return act_quant_bf16(x.contiguous())
 
     def window_kv(self, kv: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
-                  rope: RotaryTable, rope_dims: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                  rope: RotaryTable, rope_dims: int, out: torch.Tensor | None = None,
+                  ring: RowsWrite | None = None) -> torch.Tensor:
         if rope.table.shape[-1] * 2 != rope_dims or not triton_window_kv.takes(kv.shape[-1], rope_dims):
-            return super().window_kv(kv, weight, eps, positions, rope, rope_dims, out)
-        return triton_window_kv.window_kv(kv, weight, eps, positions, rope.table, out)
+            return super().window_kv(kv, weight, eps, positions, rope, rope_dims, out, ring)
+        store = ring.store if ring is not None else None
+        inside = (tile_configs.RING_WRITE_IN_WINDOW_KV and store is not None and store.fused
+                  and triton_window_kv.stores(store.codec.fmt))
+        rows = triton_window_kv.window_kv(kv, weight, eps, positions, rope.table, out,
+                                          ring=(store.data, ring.rows, store.codec.fmt) if inside else None)
+        if ring is not None and not inside:
+            ring(rows)
+        return rows
 
     def fp4_round_trip(self, x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
         return fp4_round_trip(x, block, e4m3_scale)

@@ -122,6 +122,27 @@ def _e4m3_byte(q):
 
 
 @triton.jit
+def _scale_byte(scale, UE8M0: tl.constexpr):
+    """A group's scale (a positive power of two under UE8M0, else an e4m3 value) -> its byte (int32)."""
+    if UE8M0:  # the byte is the fp32 exponent field
+        scale_bytes = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    else:
+        scale_bytes = _e4m3_byte(scale)
+    return scale_bytes
+
+
+@triton.jit
+def fp8_group_bytes(groups, UE8M0: tl.constexpr):
+    """fp32 ``groups [R, G, GROUP]`` (bf16 values) -> (e4m3 bytes ``[R, G, GROUP]``, scale bytes ``[R, G]``),
+    int32, as the writer encodes an FP8 row: each group's power-of-two scale from its maximum, the values
+    divided by it, clamped and rounded to e4m3. A kernel that makes FP8 cache rows stores them with it
+    (``triton_window_kv``)."""
+    scale = pow2_scale(tl.max(tl.abs(groups), axis=2), FP8_FLOOR, FP8_MAX_INV)
+    scaled = tl.div_rn(groups, scale[:, :, None])
+    return _e4m3_byte(round_to_e4m3(tl.minimum(tl.maximum(scaled, -448.0), 448.0))), _scale_byte(scale, UE8M0)
+
+
+@triton.jit
 def _write_rows_kernel(values_ptr, rows_ptr, data_ptr, M, stride_v, pages, ROW_BYTES: tl.constexpr,
                        CODE_BYTES: tl.constexpr, FP8: tl.constexpr, UE8M0: tl.constexpr, WIDTH: tl.constexpr,
                        GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, PAGED: tl.constexpr):
@@ -131,27 +152,22 @@ def _write_rows_kernel(values_ptr, rows_ptr, data_ptr, M, stride_v, pages, ROW_B
     x = bf16_bits_to_f32(tl.load(values_ptr + rows.to(tl.int64)[:, None] * stride_v + cols[None, :],
                                  mask=mask[:, None], other=0))
     groups = tl.reshape(x, (BLOCK_ROWS, WIDTH // GROUP, GROUP))
-    amax = tl.max(tl.abs(groups), axis=2)
-    if FP8:
-        scale = pow2_scale(amax, FP8_FLOOR, FP8_MAX_INV)
-    elif UE8M0:
-        scale = fp4_scale(amax, False)
-    else:
-        scale = tl.where(amax == AMBIGUOUS_AMAX, AMBIGUOUS_SCALE, fp4_scale(amax, True))
-    scaled = tl.div_rn(groups, scale[:, :, None])
     target = data_ptr + _data_rows(rows, mask, rows_ptr, pages, PAGED)[:, None] * ROW_BYTES  # [R, 1]
     if FP8:
-        codes = _e4m3_byte(round_to_e4m3(tl.minimum(tl.maximum(scaled, -448.0), 448.0)))
+        codes, scale_bytes = fp8_group_bytes(groups, UE8M0)
         tl.store(target + cols[None, :], tl.reshape(codes, (BLOCK_ROWS, WIDTH)).to(tl.uint8), mask=mask[:, None])
     else:
+        amax = tl.max(tl.abs(groups), axis=2)
+        if UE8M0:
+            scale = fp4_scale(amax, False)
+        else:
+            scale = tl.where(amax == AMBIGUOUS_AMAX, AMBIGUOUS_SCALE, fp4_scale(amax, True))
+        scaled = tl.div_rn(groups, scale[:, :, None])
         codes = tl.reshape(e2m1_code(tl.minimum(tl.maximum(scaled, -6.0), 6.0)), (BLOCK_ROWS, WIDTH // 2, 2))
         low, high = tl.split(codes)
         pairs = tl.arange(0, WIDTH // 2)
         tl.store(target + pairs[None, :], (low | (high << 4)).to(tl.uint8), mask=mask[:, None])
-    if UE8M0:  # a positive power of two: its byte is the fp32 exponent field
-        scale_bytes = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    else:
-        scale_bytes = _e4m3_byte(scale)
+        scale_bytes = _scale_byte(scale, UE8M0)
     groups_index = tl.arange(0, WIDTH // GROUP)
     tl.store(target + CODE_BYTES + groups_index[None, :], scale_bytes.to(tl.uint8), mask=mask[:, None])
 
