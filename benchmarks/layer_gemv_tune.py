@@ -22,6 +22,9 @@ from benchmarks.kernel_inputs import layer_calls
 from benchmarks.kernel_tune import cfg_text, override_tables
 
 ROTATIONS = 16  # input and weight sets a launch rotates over (one per call of a timed graph)
+# the grouped wo_a's outputs are FP8-ready rows (their FP8 round trip, for wo_b): where another split moves a sum by
+# one bf16 ulp, its e4m3 value may move by a step, up to 2**-3 of the group's largest
+FP8_READY_REL_ERR = 2.0 ** -3
 
 
 def candidates():
@@ -40,9 +43,10 @@ def decode_candidates(m: int):
     (4 measured best), 128- or 256-column steps, 3 or 4 stages, K split until 2, 4 or 8 programs per SM within
     one wave, or a second wave allowed at 4 per SM (the grouped ``wo_a``'s table row); and at most one program
     per SM with 4 or 6 stages, which leaves K whole where a launch has about an SM's worth of row tiles (then no
-    launch adds split sums). From 65 (one token tile of up to 256): 64 rows at 4 warps or 128 at 8 (the fp32
-    sums of 128 rows x 256 tokens need 8 warps' registers), 64- or 128-column steps (what fits in shared memory
-    at 256 tokens), 3 or 4 stages, 1 or 2 programs per SM in one wave."""
+    launch adds split sums; on one H100 each such launch took 1.4-2.4x its split default at 16 and 64 tokens,
+    docs/benchmarks.md). From 65 (one token tile of up to 256): 64 rows at 4 warps or 128 at 8 (the fp32 sums of
+    128 rows x 256 tokens need 8 warps' registers), 64- or 128-column steps (what fits in shared memory at 256
+    tokens), 3 or 4 stages, 1 or 2 programs per SM in one wave."""
     from model.kernels.tile_configs import DecodeConfig
 
     if m > 64:
@@ -127,7 +131,7 @@ def run_layer_gemv_tune(bench, m: int) -> dict:
                     timings.append({"config": cfg_text(cfg), "error": f"{type(exc).__name__}: {exc}"[:200]})
                     continue
             err = max(rel_err(o, b) for o, b in zip(out, base, strict=True))
-            if not err <= MAX_REL_ERR:  # another split: another summation order, within the tolerance
+            if not err <= (FP8_READY_REL_ERR if groups[names[0]] > 1 else MAX_REL_ERR):  # another summation order
                 raise CorrectnessError(f"{'+'.join(names)} with {table} {cfg_text(cfg)} at M={m}: differs from the "
                                        f"default config by {err:.2e}")
             timings.append({"config": cfg_text(cfg), "s": t, "rel_err_to_default": err})

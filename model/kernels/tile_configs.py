@@ -238,7 +238,8 @@ ROPE_IN_CONSUMERS = True
 
 # A decode step's window rows stored in the rings by the launch that makes them (``triton_window_kv``'s ring):
 # one launch fewer per layer; off: the cache's own write launch, at the same point of the step (the benchmarks'
-# comparison)
+# comparison). On one H100 (``benchmarks/decode.py --kernels triton-ringapart,triton``) the step took 2.44 -> 2.43
+# ms at batch 1, 5.29 -> 5.28 at 8, 16.52 -> 16.50 at 64, and the same graph replay at 256 (docs/benchmarks.md)
 RING_WRITE_IN_WINDOW_KV = True
 
 # The routed experts take ``triton_mma_experts`` (the tensor cores fed from registers, blocks of 8 pairs)
