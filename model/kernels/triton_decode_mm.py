@@ -38,7 +38,9 @@ Both take the products transposed and split K:
   (16 to 256, padded to a power of two) the narrow side, so no instruction row is wasted on absent tokens
   and each weight tile is expanded once for all of them;
 * split-K: K is cut into ``splits`` equal ranges so that there are a few programs per SM even for
-  the narrow matrices (``wkv`` has 4 tiles of 128 rows). Each program writes its fp32 partial sums;
+  the narrow matrices (``wkv`` has 4 tiles of 128 rows). A program alone on its SM streams too little:
+  leaving K whole where a launch has about an SM's worth of row tiles (``wo_b``'s 80, so no split sums'
+  launch) took 1.4-2.4x as long per launch on one H100 (``docs/benchmarks.md``). Each program writes its fp32 partial sums;
   ``_sum_splits_kernel`` adds them in split order (deterministic: the same inputs give the same
   bits on every run) and rounds once. One split writes the output directly. (Letting the last split
   of each tile to arrive add the partials, with a counter per tile, saved that launch but was
