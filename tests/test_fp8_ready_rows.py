@@ -66,8 +66,8 @@ def test_swiglu_writes_the_round_trip_of_its_output():
 def test_decode_form_writes_the_round_trip_of_its_output(block_w, max_splits, monkeypatch):
     from model.kernels import tile_configs
 
-    monkeypatch.setattr(tile_configs, "_DECODE_MM_TABLE",
-                        ((64, tile_configs.DecodeConfig(block_w, 64, 4, 3, programs_per_sm=64, max_splits=max_splits)),))
+    config = tile_configs.DecodeConfig(block_w, 64, 4, 3, programs_per_sm=64, max_splits=max_splits)
+    monkeypatch.setattr(tile_configs, "_DECODE_MM_TABLE", ((64, config),))
     gen = torch.Generator().manual_seed(max_splits)
     weight = random_weight(WeightFormat.FP8, 3 * 128, 128, gen).to(device())
     x = wide_rows(12, 3 * 128, gen)

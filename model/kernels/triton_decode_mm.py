@@ -40,9 +40,9 @@ Both take the products transposed and split K:
 * split-K: K is cut into ``splits`` equal ranges so that there are a few programs per SM even for
   the narrow matrices (``wkv`` has 4 tiles of 128 rows). A program alone on its SM streams too little:
   leaving K whole where a launch has about an SM's worth of row tiles (``wo_b``'s 80, so no split sums'
-  launch) took 1.4-2.4x as long per launch on one H100 (``docs/benchmarks.md``). Each program writes its fp32 partial sums;
-  ``_sum_splits_kernel`` adds them in split order (deterministic: the same inputs give the same
-  bits on every run) and rounds once. One split writes the output directly. (Letting the last split
+  launch) took 1.4-2.4x as long per launch on one H100 (``docs/benchmarks.md``). Each program writes its
+  fp32 partial sums; ``_sum_splits_kernel`` adds them in split order (deterministic: the same inputs give
+  the same bits on every run) and rounds once. One split writes the output directly. (Letting the last split
   of each tile to arrive add the partials, with a counter per tile, saved that launch but was
   slower on one H200 at 8 and 64 tokens: one program per tile then reads every split's partial in
   turn. Tried again for 64-row tiles of 16 tokens, four splits' loads at a time as ``triton_gemv``
