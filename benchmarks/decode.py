@@ -358,13 +358,16 @@ def main() -> int:
     parser.add_argument("--profile-batch", type=int, default=0,
                         help="profile a few decode steps of the first backend at this batch (torch.profiler)")
     parser.add_argument("--profile-out", default="decode_profile.txt")
+    parser.add_argument("--hf-overrides", metavar="JSON", default=None,
+                        help="values that replace config.json's, as the engine's flag: e.g. "
+                             "'{\"num_hidden_layers\": 6, \"n_routed_experts\": 16}'")
     args = parser.parse_args()
     device = "cuda"
     if args.model is None:
         from model.checkpoint_maker import make_checkpoint
 
         args.model = str(make_checkpoint(Path(tempfile.mkdtemp()) / args.preset, preset=args.preset, config_only=True))
-    cfg = V41Config.from_pretrained(Path(args.model))
+    cfg = V41Config.from_pretrained(Path(args.model), json.loads(args.hf_overrides or "{}"))
     # all of this process's device work on one stream, which the in-process engine adopts: a kernel run
     # on a second stream slows every graph replay after it (workers/worker_stream.py)
     torch.cuda.set_stream(torch.cuda.Stream())
@@ -396,7 +399,7 @@ def main() -> int:
                   max_num_seqs=max(runnable),
                   max_num_batched_tokens=args.max_num_batched_tokens or max(2048, min(args.context * 8, 8192)),
                   max_model_len=args.max_model_len or args.context + steps + 8,
-                  gpu_memory_utilization=0.85, dp_size=args.dp)
+                  gpu_memory_utilization=0.85, dp_size=args.dp, hf_overrides=args.hf_overrides)
         load_s = time.perf_counter() - started
         held_gib = expected_gib = None
         if args.dp == 1:  # the in-process engine: its weights can be counted here

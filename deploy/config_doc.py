@@ -26,8 +26,9 @@ The engine flags (`serve`, `generate`/`run-batch`) are declared once, as the fie
 Flag names follow vLLM's where the meaning is the same (`--data-parallel-size/-dp`,
 `--max-model-len`, `--max-num-seqs`, `--max-num-batched-tokens`, `--gpu-memory-utilization`,
 `--seed`, `--enforce-eager`, `--served-model-name`, `--disable-log-requests`,
-`--disable-log-stats`, `--generation-config`, `--load-format`, ...). `--log-level` is accepted
-before the subcommand and after it, and reaches every process (frontend, engine core, workers).
+`--disable-log-stats`, `--generation-config`, `--load-format`, `--hf-overrides`, ...).
+`--log-level` is accepted before the subcommand and after it, and reaches every process
+(frontend, engine core, workers).
 A configuration error (a bad model path, `--max-model-len` above the model's limit, incompatible
 flags) is one line on stderr and exit code 2.
 """

@@ -11,11 +11,16 @@ device exists) raise ``EngineConfigError`` with one line for the user.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .cli_options import add_dataclass_flags, flag, values_from_args
+
+if TYPE_CHECKING:
+    from model.config import V41Config
 
 
 class EngineConfigError(ValueError):
@@ -94,6 +99,11 @@ class EngineConfig:
         "the device, the routers' biases zero so that tokens spread over the experts as in a load-balanced "
         "model (the directory needs only config.json and a tokenizer: make-checkpoint --config-only)",
         choices=("auto", "dummy")))
+    hf_overrides: str | None = field(default=None, metadata=flag(
+        "a JSON object of values that replace config.json's (vLLM's flag; a key of text_config or of the top "
+        "level, a dict merged key by key), e.g. '{\"num_hidden_layers\": 8, \"n_routed_experts\": 64}' with "
+        "--load-format dummy: a real-width model with fewer layers or experts; a key config.json lacks is an error",
+        metavar="JSON"))
     seed: int | None = field(default=None, metadata=flag(
         "seed of the generator that draws the sampling seed of each request that gives none: the same "
         "requests in the same order then give the same outputs", default_help="random"))
@@ -147,6 +157,25 @@ class EngineConfig:
         return None
 
     @property
+    def model_overrides(self) -> dict[str, Any]:
+        """``--hf-overrides`` as a dict (empty when not given); ValueError if it is not a JSON object."""
+        if self.hf_overrides is None:
+            return {}
+        try:
+            overrides = json.loads(self.hf_overrides)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--hf-overrides is not valid JSON: {exc}") from None
+        if not isinstance(overrides, dict):
+            raise ValueError("--hf-overrides must be a JSON object, e.g. '{\"num_hidden_layers\": 8}'")
+        return overrides
+
+    def model_config(self) -> V41Config:
+        """The model's configuration as every process reads it: config.json with ``--hf-overrides``."""
+        from model.config import V41Config
+
+        return V41Config.from_pretrained(self.model, self.model_overrides)
+
+    @property
     def resolved_kernels(self) -> str:
         return ("triton" if self.device == "cuda" else "reference") if self.kernels is None else self.kernels
 
@@ -159,6 +188,7 @@ class EngineConfig:
             raise ValueError(f"--load-format must be auto or dummy, got {self.load_format!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        self.model_overrides  # noqa: B018 (a JSON object, or ValueError now rather than in every process)
         if not self.step_timeout > 0:
             raise ValueError("--step-timeout must be > 0")
         for name in ("dp_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_seqs_per_request",
@@ -255,7 +285,7 @@ def _model_argument(args: argparse.Namespace) -> str:
 
 def check_engine_config(config: EngineConfig):
     """Check what needs the model directory or the machine; returns the model's ``V41Config``."""
-    from model.config import ConfigError, V41Config
+    from model.config import ConfigError
 
     path = Path(config.model)
     if not path.exists():
@@ -263,7 +293,7 @@ def check_engine_config(config: EngineConfig):
     if not path.is_dir():
         raise EngineConfigError(f"model path {config.model} is not a directory")
     try:
-        cfg = V41Config.from_pretrained(path)
+        cfg = config.model_config()
     except ConfigError as exc:
         raise EngineConfigError(str(exc)) from None
     if config.load_format == "auto" and not any(path.glob("*.safetensors")):

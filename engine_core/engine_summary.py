@@ -39,9 +39,8 @@ def build_summary(config: EngineConfig, info: WorkerInfo, max_model_len: int, de
     """``max_model_len``: the engine's effective limit (the scheduler's); ``devices`` and
     ``kv_cache_dtype`` as the workers reported them."""
     from model.cache import bytes_per_block, bytes_per_slot
-    from model.config import V41Config
 
-    cfg = V41Config.from_pretrained(config.model)
+    cfg = config.model_config()
     blocks = info.num_blocks - 1  # block 0 is padding
     return EngineSummary(
         devices=devices, weight_formats=weight_formats(cfg.dense_format.value, cfg.expert_format.value),

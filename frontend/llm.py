@@ -30,6 +30,7 @@ runs kernels on another stream replays the decode graphs slower (workers/worker_
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import sys
 import weakref
@@ -89,11 +90,14 @@ class _Prompt:
 
 class LLM:
     def __init__(self, model: str | None = None, *, generation_config: str = "auto",
-                 data_parallel_size: int | None = None, **engine_args):
+                 data_parallel_size: int | None = None, hf_overrides: dict[str, Any] | str | None = None,
+                 **engine_args):
         """``generation_config``: ``auto`` (the model's generation_config.json), ``vllm`` (none) or a
-        directory holding one; ``data_parallel_size``: vLLM's name of ``dp_size``; ``engine_args``
-        are ``EngineConfig`` fields (device, dp_size, max_num_seqs, ...). The configuration is
-        checked as the command line checks it (``EngineConfigError``) before anything starts."""
+        directory holding one; ``data_parallel_size``: vLLM's name of ``dp_size``; ``hf_overrides``:
+        values that replace config.json's (a dict, or its JSON as ``--hf-overrides`` takes it);
+        ``engine_args`` are ``EngineConfig`` fields (device, dp_size, max_num_seqs, ...). The
+        configuration is checked as the command line checks it (``EngineConfigError``) before
+        anything starts."""
         if model is None:
             from model.checkpoint_maker import default_model_dir
 
@@ -104,6 +108,8 @@ class LLM:
             if engine_args.setdefault("dp_size", data_parallel_size) != data_parallel_size:
                 raise ValueError(f"dp_size={engine_args['dp_size']} and data_parallel_size={data_parallel_size} "
                                  "disagree (they are the same setting)")
+        if hf_overrides is not None:
+            engine_args["hf_overrides"] = hf_overrides if isinstance(hf_overrides, str) else json.dumps(hf_overrides)
         self.config = EngineConfig(model=str(model), **engine_args)
         check_engine_config(self.config)
         self.engine = _start_engine(self.config)

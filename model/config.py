@@ -8,7 +8,10 @@ compressed KV a layer reads, which layer's top-k it reuses), so no other module 
 
 from __future__ import annotations
 
+import copy
+import difflib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -139,7 +142,9 @@ class V41Config:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "V41Config":
+    def from_pretrained(cls, path: str | Path, overrides: Mapping[str, Any] | None = None) -> "V41Config":
+        """``overrides``: values that replace config.json's (``with_overrides``), e.g. fewer layers or
+        experts for a dummy load of a real-size model (vLLM's ``--hf-overrides``)."""
         path = Path(path)
         config_file = path / "config.json" if path.is_dir() else path
         if not config_file.is_file():
@@ -148,7 +153,11 @@ class V41Config:
             raw = json.loads(config_file.read_text())
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{config_file} is not valid JSON: {exc}") from exc
-        return cls.from_hf_dict(raw, source=str(config_file))
+        source = str(config_file)
+        if overrides:
+            raw = with_overrides(raw, overrides, source)
+            source += f" with the overrides {json.dumps(dict(overrides))}"
+        return cls.from_hf_dict(raw, source=source)
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], source: str = "config") -> "V41Config":
@@ -234,6 +243,9 @@ class V41Config:
             bos_token_id=raw.get("bos_token_id", text.get("bos_token_id")),
             eos_token_id=_first_id(raw.get("eos_token_id", text.get("eos_token_id"))),
         )
+        if len(cfg.compress_ratios) < cfg.num_layers:  # before the roles, which read one ratio per layer
+            raise ConfigError(f"{source}: compress_ratios has {len(cfg.compress_ratios)} entries for "
+                              f"{cfg.num_layers} layers")
         cfg = cfg.with_roles()
         cfg.validate(source)
         return cfg
@@ -268,8 +280,6 @@ class V41Config:
         def fail(msg: str) -> None:
             raise ConfigError(f"{source}: {msg}")
 
-        if len(self.compress_ratios) < self.num_layers:
-            fail(f"compress_ratios has {len(self.compress_ratios)} entries for {self.num_layers} layers")
         quantized = self.dense_format is not WeightFormat.BF16
         for name, k in [("hidden_size", self.hidden_size), ("q_lora_rank", self.q_lora_rank),
                         ("head_dim", self.head_dim), ("moe_intermediate_size", self.moe_intermediate_size),
@@ -317,6 +327,31 @@ class V41Config:
             fail(f"scoring_func {self.scoring_func!r} unknown")
         if self.num_shared_experts != 1:
             fail("V4.1 has exactly one shared expert")
+
+
+def with_overrides(raw: dict[str, Any], overrides: Mapping[str, Any], source: str = "config") -> dict[str, Any]:
+    """A copy of a config.json dict with ``overrides`` applied: a key of ``text_config`` (where the
+    model's keys live) or of the top level (``quantization_config``) takes the given value; a
+    dict merges into the dict it replaces, key by key. A key the file does not have is an error,
+    with the closest names: a misspelt override would otherwise leave the model as it was."""
+    merged = copy.deepcopy(raw)
+    text = merged.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{source}: missing 'text_config' object")
+    for key, value in overrides.items():
+        target = text if key in text else merged if key in merged else None
+        if target is None:
+            close = difflib.get_close_matches(key, [*text, *merged], n=3)
+            hint = f"; did you mean {' or '.join(repr(k) for k in close)}?" if close else ""
+            raise ConfigError(f"{source}: cannot override {key!r}: config.json has no such key{hint}")
+        target[key] = _merged(target[key], value)
+    return merged
+
+
+def _merged(old: Any, new: Any) -> Any:
+    if isinstance(old, dict) and isinstance(new, Mapping):
+        return {**old, **{k: _merged(old.get(k), v) for k, v in new.items()}}
+    return copy.deepcopy(new)
 
 
 def _latest_at_or_before(ids: tuple[int, ...], layer: int) -> int | None:

@@ -15,8 +15,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -245,16 +247,20 @@ class _Builder:
 
 def load_model(path: str | Path, options: ModelOptions | None = None, device: str | torch.device = "cpu",
                expert_range: range | ExpertShard | None = None, load_format: str = "auto",
-               engram_storage: str | None = None) -> V41Model:
+               engram_storage: str | None = None, hf_overrides: Mapping[str, Any] | None = None) -> V41Model:
     """Load a checkpoint directory. ``expert_range``: the routed experts this rank holds (all by
     default): the same range in every layer, or an ``ExpertShard`` (per layer, with copies).
 
     ``load_format="dummy"``: random weights in their storage formats, made on ``device``; the
     directory needs only ``config.json`` and a tokenizer (Engram tables may be shrunk: logged).
-    ``engram_storage``: ``gpu``, ``host`` or None (decided from the free memory; ``engram_storage.py``)."""
+    ``engram_storage``: ``gpu``, ``host`` or None (decided from the free memory; ``engram_storage.py``).
+    ``hf_overrides``: values that replace config.json's (``V41Config.from_pretrained``)."""
     path = Path(path)
     options = options or ModelOptions()
-    cfg = V41Config.from_pretrained(path)
+    cfg = V41Config.from_pretrained(path, hf_overrides)
+    if hf_overrides:
+        log.info("config.json with the overrides %s: %d layers, %d routed experts", json.dumps(dict(hf_overrides)),
+                 cfg.num_layers, cfg.num_routed_experts)
     if load_format == "dummy":
         from .dummy_weights import DummyCheckpointReader
         from .presets import shrink_engram_config

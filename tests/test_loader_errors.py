@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model.config import ConfigError, V41Config
+from model.config import ConfigError, V41Config, WeightFormat
 from model.loader import CheckpointError, CheckpointReader, load_model, validate_checkpoint
 from model.transformer import ModelOptions, V41Model
 
@@ -267,3 +267,32 @@ def test_corrupt_safetensors_is_a_checkpoint_error_naming_the_file(tiny_checkpoi
     weights.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"garbage")
     with pytest.raises(CheckpointError, match="model.safetensors"):
         load_model(path)
+
+
+def test_overrides_replace_config_values(tiny_checkpoint: Path) -> None:
+    """``--hf-overrides``: a text_config key, a dict merged into the one it replaces, a top-level key."""
+    cfg = V41Config.from_pretrained(tiny_checkpoint, {
+        "num_hidden_layers": 4, "rope_scaling": {"factor": 2.0},
+        "quantization_config": {"expert_dtype": "fp8"}})
+    plain = V41Config.from_pretrained(tiny_checkpoint)
+    assert (cfg.num_layers, len(cfg.roles), cfg.rope_factor, cfg.expert_format) == (4, 4, 2.0, WeightFormat.FP8)
+    assert (cfg.beta_fast, cfg.dense_format) == (plain.beta_fast, plain.dense_format)  # the rest of each dict kept
+    assert cfg.roles == plain.roles[:4]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"num_hidden_layer": 4}, r"cannot override 'num_hidden_layer': config.json has no such key; "
+                              r"did you mean 'num_hidden_layers'"),
+    ({"num_hidden_layers": 7}, r"with the overrides \{\"num_hidden_layers\": 7\}: compress_ratios has 6 entries "
+                               r"for 7 layers"),
+    ({"compress_ratios": [0, 3, 2, 1, 1, 1]}, r"layer 1: compress ratio 3"),
+])
+def test_overrides_the_model_cannot_take_are_errors_naming_them(tiny_checkpoint: Path, overrides, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        V41Config.from_pretrained(tiny_checkpoint, overrides)
+
+
+def test_overrides_leave_a_real_checkpoints_tensors_to_the_loaders_checks(tiny_checkpoint: Path) -> None:
+    """Fewer experts than the checkpoint's routers score: the loader names the shape that disagrees."""
+    with pytest.raises(CheckpointError, match=r"gate\.weight"):
+        load_model(tiny_checkpoint, hf_overrides={"n_routed_experts": 2})

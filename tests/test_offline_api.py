@@ -193,3 +193,21 @@ def test_a_max_model_len_above_the_models_limit_is_an_error():
 
     with pytest.raises(EngineConfigError, match="than the model's limit of 4096"):
         LLM(max_model_len=10**9)
+
+
+def test_dummy_weights_at_a_smaller_size_by_hf_overrides(tmp_path):
+    """vLLM's way to try a model without its weights at a smaller size: a directory holding only
+    config.json and a tokenizer, ``load_format="dummy"``, fewer layers and experts by ``hf_overrides``
+    (``--hf-overrides`` on the command line); the weights made follow the overridden config."""
+    from model.checkpoint_maker import make_checkpoint
+
+    directory = make_checkpoint(tmp_path / "tiny", preset="tiny", config_only=True)
+    assert not list(directory.glob("*.safetensors"))
+    overrides = {"num_hidden_layers": 4, "n_routed_experts": 2, "num_experts_per_tok": 1}
+    with LLM(str(directory), load_format="dummy", hf_overrides=overrides, **ENGINE) as llm:
+        model = llm.engine.executor.runner.model
+        assert (model.cfg.num_layers, model.cfg.num_routed_experts, len(model.blocks)) == (4, 2, 4)
+        assert model.blocks[0].moe.router.weight.shape[0] == 2
+        out = llm.generate(["Hello"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+        assert_idle(llm)

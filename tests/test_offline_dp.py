@@ -145,3 +145,17 @@ def test_run_batch_with_dp2_gives_the_tokens_of_one_rank(tiny_checkpoint, one_ra
     assert code == 0
     results = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["token_ids"] for r in results] == [g[0] for g in greedy]
+
+
+def test_hf_overrides_reach_every_rank(tmp_path):
+    """``hf_overrides`` with dummy weights: each worker process reads config.json with the overrides and
+    makes the same weights (seeded by name), so two ranks, which shard the two experts, give one
+    rank's tokens."""
+    from model.checkpoint_maker import make_checkpoint
+
+    directory = str(make_checkpoint(tmp_path / "tiny", preset="tiny", config_only=True))
+    small = dict(load_format="dummy", hf_overrides={"num_hidden_layers": 4, "n_routed_experts": 2}, **ENGINE)
+    with LLM(directory, **small) as llm:
+        expected = _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    with LLM(directory, dp_size=2, **small) as llm:
+        assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected

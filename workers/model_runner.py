@@ -87,7 +87,7 @@ class ModelRunner:
                                pdl=config.enable_pdl)
         expert_range = expert_parallel.expert_shard() if expert_parallel is not None else None
         self.model: V41Model = load_model(config.model, options, self.device, expert_range, config.load_format,
-                                          config.engram_storage)
+                                          config.engram_storage, config.model_overrides)
         self.cfg = self.model.cfg
         # under expert parallelism every rank joins every MoE all-to-all, with or without tokens
         self.always_run_forward = expert_parallel is not None

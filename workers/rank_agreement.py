@@ -38,6 +38,7 @@ def shared_settings(config: EngineConfig) -> dict[str, object]:
     # as resolved: a default and the value it resolves to are the same setting
     values["kernels"] = config.resolved_kernels
     values["batch_invariant"] = config.resolved_batch_invariant
+    values["hf_overrides"] = config.model_overrides  # the values, not how the JSON was written
     if "eplb_stats_file" in values:  # rank 0 reads it for all (workers/expert_balancer.py): only whether it is given
         values["eplb_stats_file"] = values["eplb_stats_file"] is not None
     values[MODEL_CONFIG_KEY] = hashlib.sha256((Path(config.model) / "config.json").read_bytes()).hexdigest()[:16]

@@ -147,9 +147,7 @@ def _build_runner(config: EngineConfig, rank: int, dist_init_method: str):
         from .rank_agreement import check_ranks_agree
 
         check_ranks_agree(config, rank)
-    from model.config import V41Config
-
-    dispatcher = ExpertParallelDispatcher.for_config(rank, config, V41Config.from_pretrained(config.model))
+    dispatcher = ExpertParallelDispatcher.for_config(rank, config, config.model_config())
     return ModelRunner(config, rank, dispatcher)
 
 
