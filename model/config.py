@@ -178,6 +178,8 @@ class V41Config:
             return text[key]
 
         rope_scaling = text.get("rope_scaling") or {}
+        if quant is not None and not isinstance(quant, dict):
+            raise ConfigError(f"{source}: quantization_config must be an object, got {quant!r}")
         if quant:
             if quant.get("quant_method") != "fp8":
                 raise ConfigError(f"{source}: unsupported quant_method {quant.get('quant_method')!r}")
@@ -190,59 +192,64 @@ class V41Config:
             dense_format = expert_format = WeightFormat.BF16
 
         candidate = text.get("candidate_source_layer_id")
-        cfg = cls(
-            vocab_size=int(need("vocab_size")),
-            hidden_size=int(need("hidden_size")),
-            num_layers=int(need("num_hidden_layers")),
-            num_heads=int(need("num_attention_heads")),
-            head_dim=int(need("head_dim")),
-            rope_head_dim=int(need("qk_rope_head_dim")),
-            q_lora_rank=int(need("q_lora_rank")),
-            o_lora_rank=int(need("o_lora_rank")),
-            o_groups=int(need("o_groups")),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-20)),
-            max_position_embeddings=int(need("max_position_embeddings")),
-            rope_theta=float(text.get("rope_theta", 10000.0)),
-            compress_rope_theta=float(text.get("compress_rope_theta", 160000.0)),
-            rope_factor=float(rope_scaling.get("factor", 1.0)),
-            beta_fast=float(rope_scaling.get("beta_fast", 32)),
-            beta_slow=float(rope_scaling.get("beta_slow", 1)),
-            original_max_position_embeddings=int(rope_scaling.get("original_max_position_embeddings", 0)),
-            num_routed_experts=int(need("n_routed_experts")),
-            num_shared_experts=int(text.get("n_shared_experts", 1)),
-            num_experts_per_token=int(need("num_experts_per_tok")),
-            moe_intermediate_size=int(need("moe_intermediate_size")),
-            scoring_func=str(text.get("scoring_func", "sqrtsoftplus")),
-            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
-            routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
-            swiglu_limit=float(text.get("swiglu_limit", 0.0)),
-            gate_temperature=float(text.get("gate_temperature", 1.0)),
-            sliding_window=int(need("sliding_window")),
-            compress_ratios=tuple(int(r) for r in need("compress_ratios")),
-            kv_source_layer_ids=tuple(int(i) for i in text.get("kv_source_layer_ids", ())),
-            index_source_layer_ids=tuple(int(i) for i in text.get("index_source_layer_ids", ())),
-            index_num_heads=int(text.get("index_n_heads", 0)),
-            index_head_dim=int(text.get("index_head_dim", 0)),
-            index_topk=int(text.get("index_topk", 0)),
-            candidate_source_layer_id=-1 if candidate is None else int(candidate),
-            candidate_topk_blocks=int(text.get("candidate_topk_blocks", 0)),
-            candidate_block_size=int(text.get("candidate_block_size", 0)),
-            hc_mult=int(text.get("hc_mult", 4)),
-            hc_sinkhorn_iters=int(text.get("hc_sinkhorn_iters", 20)),
-            hc_eps=float(text.get("hc_eps", 1e-6)),
-            engram_layer_ids=tuple(int(i) for i in text.get("engram_layer_ids", ())),
-            engram_num_embeddings=tuple(int(i) for i in text.get("engram_num_embeddings", ())),
-            engram_max_ngram_size=int(text.get("engram_max_ngram_size", 1)),
-            engram_vocab_size=int(text.get("engram_vocab_size", 0)),
-            engram_num_heads=int(text.get("engram_n_heads", 0)),
-            engram_head_dim=int(text.get("engram_head_dim", 0)),
-            engram_pad_token_id=int(text.get("engram_pad_token_id", 2)),
-            engram_compressed_vocab_size=int(text.get("engram_compressed_vocab_size", 0)),
-            dense_format=dense_format,
-            expert_format=expert_format,
-            bos_token_id=raw.get("bos_token_id", text.get("bos_token_id")),
-            eos_token_id=_first_id(raw.get("eos_token_id", text.get("eos_token_id"))),
-        )
+        try:
+            cfg = cls(
+                vocab_size=int(need("vocab_size")),
+                hidden_size=int(need("hidden_size")),
+                num_layers=int(need("num_hidden_layers")),
+                num_heads=int(need("num_attention_heads")),
+                head_dim=int(need("head_dim")),
+                rope_head_dim=int(need("qk_rope_head_dim")),
+                q_lora_rank=int(need("q_lora_rank")),
+                o_lora_rank=int(need("o_lora_rank")),
+                o_groups=int(need("o_groups")),
+                rms_norm_eps=float(text.get("rms_norm_eps", 1e-20)),
+                max_position_embeddings=int(need("max_position_embeddings")),
+                rope_theta=float(text.get("rope_theta", 10000.0)),
+                compress_rope_theta=float(text.get("compress_rope_theta", 160000.0)),
+                rope_factor=float(rope_scaling.get("factor", 1.0)),
+                beta_fast=float(rope_scaling.get("beta_fast", 32)),
+                beta_slow=float(rope_scaling.get("beta_slow", 1)),
+                original_max_position_embeddings=int(rope_scaling.get("original_max_position_embeddings", 0)),
+                num_routed_experts=int(need("n_routed_experts")),
+                num_shared_experts=int(text.get("n_shared_experts", 1)),
+                num_experts_per_token=int(need("num_experts_per_tok")),
+                moe_intermediate_size=int(need("moe_intermediate_size")),
+                scoring_func=str(text.get("scoring_func", "sqrtsoftplus")),
+                norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+                routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
+                swiglu_limit=float(text.get("swiglu_limit", 0.0)),
+                gate_temperature=float(text.get("gate_temperature", 1.0)),
+                sliding_window=int(need("sliding_window")),
+                compress_ratios=tuple(int(r) for r in need("compress_ratios")),
+                kv_source_layer_ids=tuple(int(i) for i in text.get("kv_source_layer_ids", ())),
+                index_source_layer_ids=tuple(int(i) for i in text.get("index_source_layer_ids", ())),
+                index_num_heads=int(text.get("index_n_heads", 0)),
+                index_head_dim=int(text.get("index_head_dim", 0)),
+                index_topk=int(text.get("index_topk", 0)),
+                candidate_source_layer_id=-1 if candidate is None else int(candidate),
+                candidate_topk_blocks=int(text.get("candidate_topk_blocks", 0)),
+                candidate_block_size=int(text.get("candidate_block_size", 0)),
+                hc_mult=int(text.get("hc_mult", 4)),
+                hc_sinkhorn_iters=int(text.get("hc_sinkhorn_iters", 20)),
+                hc_eps=float(text.get("hc_eps", 1e-6)),
+                engram_layer_ids=tuple(int(i) for i in text.get("engram_layer_ids", ())),
+                engram_num_embeddings=tuple(int(i) for i in text.get("engram_num_embeddings", ())),
+                engram_max_ngram_size=int(text.get("engram_max_ngram_size", 1)),
+                engram_vocab_size=int(text.get("engram_vocab_size", 0)),
+                engram_num_heads=int(text.get("engram_n_heads", 0)),
+                engram_head_dim=int(text.get("engram_head_dim", 0)),
+                engram_pad_token_id=int(text.get("engram_pad_token_id", 2)),
+                engram_compressed_vocab_size=int(text.get("engram_compressed_vocab_size", 0)),
+                dense_format=dense_format,
+                expert_format=expert_format,
+                bos_token_id=raw.get("bos_token_id", text.get("bos_token_id")),
+                eos_token_id=_first_id(raw.get("eos_token_id", text.get("eos_token_id"))),
+            )
+        except ConfigError:
+            raise
+        except (AttributeError, TypeError, ValueError) as exc:  # "num_hidden_layers": "four", "rope_scaling": 2
+            raise ConfigError(f"{source}: a value of text_config has the wrong type ({exc})") from None
         if len(cfg.compress_ratios) < cfg.num_layers:  # before the roles, which read one ratio per layer
             raise ConfigError(f"{source}: compress_ratios has {len(cfg.compress_ratios)} entries for "
                               f"{cfg.num_layers} layers")
@@ -280,6 +287,11 @@ class V41Config:
         def fail(msg: str) -> None:
             raise ConfigError(f"{source}: {msg}")
 
+        if self.num_layers < 1:
+            fail(f"num_hidden_layers={self.num_layers} must be >= 1")
+        if not 1 <= self.num_experts_per_token <= self.num_routed_experts:
+            fail(f"num_experts_per_tok={self.num_experts_per_token} must be between 1 and "
+                 f"n_routed_experts={self.num_routed_experts}")
         quantized = self.dense_format is not WeightFormat.BF16
         for name, k in [("hidden_size", self.hidden_size), ("q_lora_rank", self.q_lora_rank),
                         ("head_dim", self.head_dim), ("moe_intermediate_size", self.moe_intermediate_size),

@@ -286,6 +286,11 @@ def test_overrides_replace_config_values(tiny_checkpoint: Path) -> None:
     ({"num_hidden_layers": 7}, r"with the overrides \{\"num_hidden_layers\": 7\}: compress_ratios has 6 entries "
                                r"for 7 layers"),
     ({"compress_ratios": [0, 3, 2, 1, 1, 1]}, r"layer 1: compress ratio 3"),
+    ({"num_hidden_layers": 0}, r"num_hidden_layers=0 must be >= 1"),
+    ({"n_routed_experts": 1}, r"num_experts_per_tok=2 must be between 1 and n_routed_experts=1"),
+    ({"num_hidden_layers": "four"}, r"a value of text_config has the wrong type \(invalid literal"),
+    ({"rope_scaling": 2}, r"a value of text_config has the wrong type"),
+    ({"quantization_config": [32, 32]}, r"quantization_config must be an object"),
 ])
 def test_overrides_the_model_cannot_take_are_errors_naming_them(tiny_checkpoint: Path, overrides, message) -> None:
     with pytest.raises(ConfigError, match=message):
