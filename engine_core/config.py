@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .cli_options import add_dataclass_flags, flag, values_from_args
+from .vllm_recipe_flags import add_vllm_recipe_flags, check_vllm_recipe_flags
 
 if TYPE_CHECKING:
     from model.config import V41Config
@@ -249,8 +250,10 @@ class EngineConfig:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine flags shared by ``serve`` and ``generate``, generated from ``EngineConfig``."""
+    """The engine flags shared by ``serve`` and ``generate``, generated from ``EngineConfig``, and the
+    vLLM recipe flags (``vllm_recipe_flags.py``)."""
     add_dataclass_flags(parser, EngineConfig, "engine")
+    add_vllm_recipe_flags(parser)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -263,6 +266,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
         values["device"] = "cuda" if torch.cuda.is_available() else "cpu"
     try:
+        check_vllm_recipe_flags(vars(args))
         config = EngineConfig(**values)
     except ValueError as exc:
         raise EngineConfigError(str(exc)) from None

@@ -37,13 +37,14 @@ import weakref
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
-from engine_core.config import EngineConfig, check_engine_config
+from engine_core.config import EngineConfig, EngineConfigError, check_engine_config
 from engine_core.core import EngineCore
 from engine_core.executor import Executor, InProcessExecutor
 from engine_core.ipc import Endpoints
 from engine_core.log_setup import LEVELS
 from engine_core.protocol import AddRequest
 from engine_core.protocol import SamplingParams as EngineSamplingParams
+from engine_core.vllm_recipe_flags import RECIPE_FLAGS, check_vllm_recipe_flags
 
 from .chat_prompt import ChatOptions, plain_messages, render_prompt
 from .errors import APIError
@@ -108,6 +109,10 @@ class LLM:
             if engine_args.setdefault("dp_size", data_parallel_size) != data_parallel_size:
                 raise ValueError(f"dp_size={engine_args['dp_size']} and data_parallel_size={data_parallel_size} "
                                  "disagree (they are the same setting)")
+        try:  # vLLM's recipe arguments (trust_remote_code, ...): accepted or refused as on the command line
+            check_vllm_recipe_flags({name: engine_args.pop(name) for name in RECIPE_FLAGS if name in engine_args})
+        except ValueError as exc:
+            raise EngineConfigError(str(exc)) from None
         if hf_overrides is not None:
             engine_args["hf_overrides"] = hf_overrides if isinstance(hf_overrides, str) else json.dumps(hf_overrides)
         self.config = EngineConfig(model=str(model), **engine_args)

@@ -195,6 +195,19 @@ def test_a_max_model_len_above_the_models_limit_is_an_error():
         LLM(max_model_len=10**9)
 
 
+def test_vllm_recipe_arguments_are_accepted_or_refused_by_name():
+    """``LLM(..., trust_remote_code=True, enable_expert_parallel=True)`` as vLLM's examples write it is
+    accepted (checked past the recipe arguments: the next error is the bad max_model_len);
+    ``tensor_parallel_size`` other than 1 is refused, naming the flag to use, before anything starts."""
+    from engine_core.config import EngineConfigError
+
+    with pytest.raises(EngineConfigError, match="than the model's limit"):
+        LLM(trust_remote_code=True, enable_expert_parallel=True, tensor_parallel_size=1, max_model_len=10**9)
+    with pytest.raises(EngineConfigError, match="tensor parallelism is not supported; serve 2 GPUs with "
+                                                "--data-parallel-size 2"):
+        LLM(tensor_parallel_size=2)
+
+
 def test_dummy_weights_at_a_smaller_size_by_hf_overrides(tmp_path):
     """vLLM's way to try a model without its weights at a smaller size: a directory holding only
     config.json and a tokenizer, ``load_format="dummy"``, fewer layers and experts by ``hf_overrides``
