@@ -96,6 +96,10 @@ class ModelRunner:
         self.graph_plan = self._graph_plan()
         free = None
         if self.device.type == "cuda":
+            if config.resolved_kernels == "triton" and rank == 0:  # else minutes of silence that look like a hang
+                log.info("profiling memory%s: the first start on a machine also compiles the Triton kernels (minutes; "
+                         "Triton's cache, ~/.triton/cache or TRITON_CACHE_DIR, keeps them for later starts)",
+                         " and capturing CUDA graphs" if self.graph_plan is not None else "")
             free = free_cuda_bytes_after_profile(config, self._profile_forward)
             if self.graph_plan is not None:
                 free -= self._profile_graph_memory()
