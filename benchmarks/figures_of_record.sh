@@ -7,7 +7,7 @@
 #   PART: engine (batch 1, 8, 64), engine256 (batch 256, a process of its own: its caches leave no
 #         room for a second engine), layer, experts, chain; default: all of them, in that order
 #
-# About 7 minutes on one H100 or H200 with Triton's cache already filled; the first run on a machine also
+# About 4 minutes on one H100 with Triton's cache already filled; the first run on a machine also
 # compiles the kernels (~3 minutes more). Each run measures its own bandwidth and tensor-core rate and
 # states every figure against the limits they give.
 set -euo pipefail
