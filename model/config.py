@@ -323,7 +323,10 @@ class V41Config:
                 fail(f"index_head_dim={self.index_head_dim} must be a multiple of 32 and >= rope dims")
         cand = self.candidate_source_layer_id
         if cand >= 0:
-            if cand >= self.num_layers or not self.roles[cand].runs_indexer:
+            if cand >= self.num_layers:
+                fail(f"candidate_source_layer_id={cand} is past the last of the {self.num_layers} layers (with fewer "
+                     "layers, name one of the index source layers left, or -1 for none)")
+            if not self.roles[cand].runs_indexer:
                 fail(f"candidate_source_layer_id={cand} is not an index source layer")
             if not self.roles[cand].owns_kv:
                 fail(f"candidate_source_layer_id={cand} must own its index keys")

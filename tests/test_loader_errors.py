@@ -287,6 +287,8 @@ def test_overrides_replace_config_values(tiny_checkpoint: Path) -> None:
                                r"for 7 layers"),
     ({"compress_ratios": [0, 3, 2, 1, 1, 1]}, r"layer 1: compress ratio 3"),
     ({"num_hidden_layers": 0}, r"num_hidden_layers=0 must be >= 1"),
+    ({"num_hidden_layers": 3}, r"candidate_source_layer_id=3 is past the last of the 3 layers \(with fewer layers, "
+                               r"name one of the index source layers left, or -1 for none\)"),
     ({"n_routed_experts": 1}, r"num_experts_per_tok=2 must be between 1 and n_routed_experts=1"),
     ({"num_hidden_layers": "four"}, r"a value of text_config has the wrong type \(invalid literal"),
     ({"rope_scaling": 2}, r"a value of text_config has the wrong type"),
