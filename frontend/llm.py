@@ -96,9 +96,10 @@ class LLM:
         """``generation_config``: ``auto`` (the model's generation_config.json), ``vllm`` (none) or a
         directory holding one; ``data_parallel_size``: vLLM's name of ``dp_size``; ``hf_overrides``:
         values that replace config.json's (a dict, or its JSON as ``--hf-overrides`` takes it);
-        ``engine_args`` are ``EngineConfig`` fields (device, dp_size, max_num_seqs, ...). The
-        configuration is checked as the command line checks it (``EngineConfigError``) before
-        anything starts."""
+        ``engine_args`` are ``EngineConfig`` fields (device, dp_size, max_num_seqs, ...) and vLLM's
+        recipe arguments (``trust_remote_code``, ``enable_expert_parallel``, ``tensor_parallel_size``:
+        ``engine_core/vllm_recipe_flags.py``). The configuration is checked as the command line
+        checks it (``EngineConfigError``) before anything starts."""
         if model is None:
             from model.checkpoint_maker import default_model_dir
 
