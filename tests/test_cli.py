@@ -111,7 +111,8 @@ def test_vllm_flag_names_fill_the_engine_config(tiny_checkpoint):
     args = build_parser().parse_args(["serve", str(tiny_checkpoint), "-dp", "2", "--seed", "7", "--enforce-eager",
                                       "--max-model-len", "1024", "--no-zos", "--device", "cpu",
                                       # a DeepSeek recipe's flags: accepted (engine_core/vllm_recipe_flags.py)
-                                      "--trust-remote-code", "--enable-expert-parallel", "-tp", "1"])
+                                      "--trust-remote-code", "--enable-expert-parallel", "-tp", "1",
+                                      "--kv-cache-dtype", "fp8"])
     config = engine_config_from_args(args)
     assert (config.model, config.dp_size, config.seed, config.enforce_eager, config.max_model_len, config.zos) == \
         (str(tiny_checkpoint), 2, 7, True, 1024, False)
@@ -152,6 +153,8 @@ def test_device_defaults_to_cuda_when_torch_sees_one(tiny_checkpoint, monkeypatc
     (["serve", "{ckpt}", "--metrics-prefix", "bad-prefix"], "--metrics-prefix must be"),
     (["serve", "{ckpt}", "--tensor-parallel-size", "8", "--trust-remote-code"],
      "--tensor-parallel-size 8: tensor parallelism is not supported; serve 8 GPUs with --data-parallel-size 8"),
+    (["serve", "{ckpt}", "--kv-cache-dtype", "bfloat16"],
+     "--kv-cache-dtype bfloat16: the cache holds the model's own formats"),
     (["serve", "{ckpt}", "--hf-overrides", "{num_hidden_layers: 4}"], "--hf-overrides is not valid JSON"),
     (["serve", "{ckpt}", "--hf-overrides", "[4]"], "--hf-overrides must be a JSON object"),
     (["serve", "{ckpt}", "--hf-overrides", '{"num_hidden_layer": 4}'],

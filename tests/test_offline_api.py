@@ -202,7 +202,8 @@ def test_vllm_recipe_arguments_are_accepted_or_refused_by_name():
     from engine_core.config import EngineConfigError
 
     with pytest.raises(EngineConfigError, match="than the model's limit"):
-        LLM(trust_remote_code=True, enable_expert_parallel=True, tensor_parallel_size=1, max_model_len=10**9)
+        LLM(trust_remote_code=True, enable_expert_parallel=True, tensor_parallel_size=1, kv_cache_dtype="fp8",
+            max_model_len=10**9)
     with pytest.raises(EngineConfigError, match="tensor parallelism is not supported; serve 2 GPUs with "
                                                 "--data-parallel-size 2"):
         LLM(tensor_parallel_size=2)
