@@ -5,7 +5,9 @@
 #
 #   benchmarks/figures_of_record.sh OUTDIR [PART...]
 #   PART: engine (batch 1, 8, 64), engine256 (batch 256, a process of its own: its caches leave no
-#         room for a second engine), layer, experts, chain; default: all of them, in that order
+#         room for a second engine), layer, experts, chain; default: all of them, in that order;
+#         issue7 (not in the default): the config of issue 7's before-table, 6 real-width layers and 16
+#         experts, at batch 1, 8 and 32
 #
 # About 4 minutes on one H100 with Triton's cache already filled; the first run on a machine also
 # compiles the kernels (~3 minutes more). Each run measures its own bandwidth and tensor-core rate and
@@ -32,6 +34,8 @@ for part in $parts; do
     experts)   run experts $PY benchmarks/kernels.py --kernels moe --no-graph --no-reference --quick \
                    --m 1,8,64,256 --json "$out/experts.json" ;;
     chain)     run chain $PY -m benchmarks.read_chain ;;
-    *)         echo "unknown part $part (engine, engine256, layer, experts, chain)"; exit 2 ;;
+    issue7)    run issue7 $PY benchmarks/decode.py --preset v41-flash-L8 --kernels triton --batch 1,8,32 \
+                   --hf-overrides '{"num_hidden_layers": 6, "n_routed_experts": 16}' --json "$out/issue7.json" ;;
+    *)         echo "unknown part $part (engine, engine256, layer, experts, chain, issue7)"; exit 2 ;;
   esac
 done
