@@ -384,7 +384,8 @@ def run_server(server_config: ServerConfig, engine_config: EngineConfig, log_lev
 
     def on_listening() -> None:
         host = f"[{c.host}]" if ":" in c.host else c.host
-        for line in summary_lines(engine_config.model, names, engine.summary, f"http://{host}:{c.port}"):
+        for line in summary_lines(engine_config.model, names, engine.summary, f"http://{host}:{c.port}",
+                                  engine_config.model_overrides):
             log.info("%s", line)
 
     app.state.on_engine_dead = on_engine_dead

@@ -15,6 +15,8 @@ The engine's part comes from its ``ready`` message (engine_core/engine_summary.p
 
 from __future__ import annotations
 
+import json
+
 from engine_core.protocol import EngineSummary
 
 PACKAGE = "mini-deepinfer"
@@ -44,9 +46,11 @@ def max_concurrency(s: EngineSummary) -> tuple[float, float]:
 
 
 def summary_lines(model_dir: str, served_names: tuple[str, ...], summary: EngineSummary | None,
-                  url: str) -> list[str]:
+                  url: str, overrides: dict | None = None) -> list[str]:
+    """``overrides``: ``--hf-overrides``, named after the model directory when given."""
     names = ", ".join(repr(n) for n in served_names)
-    lines = [f"{PACKAGE} {package_version()}: DeepSeek-V4.1 from {model_dir}, served as {names}"]
+    source = f"{model_dir} (config.json with {json.dumps(overrides)})" if overrides else model_dir
+    lines = [f"{PACKAGE} {package_version()}: DeepSeek-V4.1 from {source}, served as {names}"]
     if summary is not None:
         s = summary
         per_rank = s.num_routed_experts // s.dp_size

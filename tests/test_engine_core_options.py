@@ -80,6 +80,8 @@ def test_startup_summary_describes_the_engine(tiny_checkpoint):
                      "max_model_len 128 (model limit 4096): max concurrency 4.00 sequences at 128 tokens",
                      "listening on http://127.0.0.1:8000"):
         assert expected in text, expected
+    first = summary_lines(str(tiny_checkpoint), ("tiny",), summary, "", {"num_hidden_layers": 4})[0]
+    assert first.endswith(f"from {tiny_checkpoint} (config.json with {{\"num_hidden_layers\": 4}}), served as 'tiny'")
 
 
 def test_startup_summary_names_the_cuda_graphs(tiny_checkpoint):
