@@ -58,7 +58,8 @@ class EngineConfig:
     max_num_seqs: int = field(default=64, metadata=flag("running sequences per DP rank"))
     max_num_batched_tokens: int = field(default=512, metadata=flag("prefill tokens per step per DP rank"))
     max_model_len: int | None = field(default=None, metadata=flag(
-        "longest sequence (prompt + output) in tokens; an error if above the model's limit",
+        "longest sequence (prompt + output) in tokens; an error if above the model's limit. The rotary tables "
+        "cover it (and a prefill batch) rather than the model's whole limit (V4.1's 1M positions: 512 MiB per GPU)",
         default_help="the model's max_position_embeddings, or less if the KV cache cannot hold that"))
     block_size: int = field(default=128, metadata=flag("source tokens per paged KV block"))
     num_blocks: int | None = field(default=None, metadata=flag(

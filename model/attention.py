@@ -69,12 +69,12 @@ def sequence_entries_pay(sequences: int, entries_per_sequence: int, tokens: int,
 class Attention:
     def __init__(self, cfg: V41Config, role: LayerRole, weights: AttentionWeights,
                  compressor: Compressor | None, indexer: Indexer | None, kernels: KernelBackend,
-                 reference_layout: bool, device: torch.device | str = "cpu"):
+                 reference_layout: bool, device: torch.device | str = "cpu", max_positions: int = 0):
         self.cfg, self.role, self.w = cfg, role, weights
         self.kernels = kernels
         self.compressor, self.indexer = compressor, indexer
         self.reference_layout = reference_layout
-        self.rope = RotaryTable.for_layer(cfg, role.compress_ratio, device)
+        self.rope = RotaryTable.for_layer(cfg, role.compress_ratio, device, max_positions)
         self.scale = cfg.head_dim ** -0.5
 
     def to(self, device) -> "Attention":

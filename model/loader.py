@@ -221,7 +221,8 @@ class _Builder:
             wq_a=self.linear(a + "wq_a"), q_norm=self.t(a + "q_norm.weight"), wq_b=self.linear(a + "wq_b"),
             wkv=self.linear(a + "wkv"), kv_norm=self.t(a + "kv_norm.weight"), wo_a=self.weight(a + "wo_a"),
             wo_b=self.linear(a + "wo_b"), sink=self.t(a + "attn_sink").float())
-        attention = Attention(cfg, role, weights, compressor, indexer, self.kernels, self.options.reference_layout)
+        attention = Attention(cfg, role, weights, compressor, indexer, self.kernels, self.options.reference_layout,
+                              max_positions=self.options.max_positions)
         f = p + "ffn."
         router = Router(self.t(f + "gate.weight"), self.t(f + "gate.bias").float(),
                         cfg.num_experts_per_token, cfg.scoring_func, cfg.norm_topk_prob,
@@ -288,8 +289,9 @@ def load_model(path: str | Path, options: ModelOptions | None = None, device: st
                      builder.t("norm.weight").to(device), builder.t("head.weight").to(device), hasher, kernels)
     held, stored = held_weight_bytes(model), checkpoint_bytes(cfg, shard)
     log.info("weights: %.2f GiB held on %s for %.2f GiB of checkpoint tensors (%+.1f%%: fp32 copies of the small "
-             "bf16 weights the reference multiplies in fp32, rope tables); kernels: %s", held / 2**30, device,
-             stored / 2**30, 100.0 * (held - stored) / stored, kernels.name)
+             "bf16 weights the reference multiplies in fp32, rope tables of %d positions); kernels: %s", held / 2**30,
+             device, stored / 2**30, 100.0 * (held - stored) / stored, blocks[0].attention.rope.table.shape[0],
+             kernels.name)
     return model
 
 

@@ -33,9 +33,9 @@ def rope_frequencies(dim: int, theta: float, factor: float, original_len: int,
     return freqs
 
 
-# Tables shared by every layer of one kind (compressed or not) of one config, per device: a table
-# covers every position up to max_position_embeddings, 256 MB at V4.1's 1M positions, so one copy
-# per layer would cost gigabytes. Entries live as long as a layer holds them.
+# Tables shared by every layer of one kind (compressed or not) of one config and length, per device: a
+# table of V4.1's 1M positions (max_position_embeddings) is 256 MB, so one copy per layer would cost
+# gigabytes. Entries live as long as a layer holds them.
 _SHARED: "weakref.WeakValueDictionary[tuple, RotaryTable]" = weakref.WeakValueDictionary()
 
 
@@ -53,24 +53,28 @@ class RotaryTable:
     def __init__(self, freqs: torch.Tensor, max_positions: int, device: torch.device | str = "cpu"):
         angles = torch.outer(torch.arange(max_positions), freqs)
         self.table = torch.polar(torch.ones_like(angles), angles).to(device)
-        self.key: tuple = ()  # (config, compressed) of a shared table
+        self.key: tuple = ()  # (config, compressed, positions) of a shared table
 
     @classmethod
-    def for_layer(cls, cfg: V41Config, compress_ratio: int, device: torch.device | str = "cpu") -> "RotaryTable":
-        """The table of a layer with this compress ratio: shared with every layer of the same kind."""
-        return cls._shared((cfg, bool(compress_ratio)), _canonical(device))
+    def for_layer(cls, cfg: V41Config, compress_ratio: int, device: torch.device | str = "cpu",
+                  max_positions: int = 0) -> "RotaryTable":
+        """The table of a layer with this compress ratio: shared with every layer of the same kind.
+        ``max_positions``: the positions it covers (0 or more than the config's: ``max_position_embeddings``)."""
+        positions = min(max_positions or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        return cls._shared((cfg, bool(compress_ratio), positions), _canonical(device))
 
     @classmethod
     def _shared(cls, key: tuple, device: torch.device) -> "RotaryTable":
         table = _SHARED.get((*key, device))
         if table is None:
-            cfg, compressed = key
+            cfg, compressed, positions = key
             if compressed:
                 freqs = rope_frequencies(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.rope_factor,
                                          cfg.original_max_position_embeddings, cfg.beta_fast, cfg.beta_slow)
             else:
                 freqs = rope_frequencies(cfg.rope_head_dim, cfg.rope_theta, 1.0, 0, cfg.beta_fast, cfg.beta_slow)
-            table = cls(freqs, cfg.max_position_embeddings, device)
+            # each entry depends on its position and frequency only, so a shorter table holds the same bits
+            table = cls(freqs, positions, device)
             table.key = key
             _SHARED[(*key, device)] = table
         return table

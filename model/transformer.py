@@ -41,6 +41,9 @@ class ModelOptions:
         decode form for products of at most 64 rows.
     pdl: programmatic dependent launch of the Triton kernels that take it (a kernel starts while the
         one before it finishes; Hopper and later: ``model/kernels/triton_dependent_launch.py``).
+    max_positions: the positions the rotary tables cover (every position fed must be below it); 0: the
+        config's ``max_position_embeddings``. V4.1's 1M positions make each of its two tables 256 MiB on
+        every device, so the engine passes what it can reach (``workers/model_runner.py``).
     """
 
     batch_invariant: bool = True
@@ -48,6 +51,7 @@ class ModelOptions:
     reference_layout: bool = False
     kernels: str = "reference"
     pdl: bool = False
+    max_positions: int = 0
 
 
 class Block:
@@ -132,7 +136,7 @@ class V41Model:
             # before it (model/kernels/side_stream.py)
             for ahead in self.blocks[i:i + 2]:
                 if ahead.engram is not None and ahead.layer_id not in lookups:
-                    ids = hash_ids[:, cfg.engram_layer_ids.index(ahead.layer_id)]
+                    ids = hash_ids[:, self.hasher.column(ahead.layer_id)]
                     lookups[ahead.layer_id] = self.kernels.beside(ids, partial(ahead.engram.look_up, ids))
             if block.engram is not None:
                 stream = block.engram.gate(stream, *lookups.pop(block.layer_id).result())

@@ -73,6 +73,14 @@ class PendingStep:
         return self
 
 
+def rope_positions(config: EngineConfig) -> int:
+    """The positions the rotary tables must cover (``ModelOptions.max_positions``; 0: the model's
+    ``max_position_embeddings``): those of sequences below ``--max-model-len`` and of the memory profile's
+    one sequence of ``max_num_batched_tokens``. Without ``--max-model-len`` the model's own limit holds
+    (1M positions for V4.1: its two tables take 512 MiB of every GPU)."""
+    return max(config.max_model_len, config.max_num_batched_tokens) if config.max_model_len else 0
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, rank: int = 0, expert_parallel=None):
         """``expert_parallel``: an ExpertParallelDispatcher when experts are sharded over ranks."""
@@ -84,7 +92,7 @@ class ModelRunner:
         self.stream = WorkerStream(self.device)  # before the first kernel (workers/worker_stream.py)
         options = ModelOptions(batch_invariant=config.resolved_batch_invariant,
                                official_index_handoff=config.official_index_handoff, kernels=config.resolved_kernels,
-                               pdl=config.enable_pdl)
+                               pdl=config.enable_pdl, max_positions=rope_positions(config))
         expert_range = expert_parallel.expert_shard() if expert_parallel is not None else None
         self.model: V41Model = load_model(config.model, options, self.device, expert_range, config.load_format,
                                           config.engram_storage, config.model_overrides)
