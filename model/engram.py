@@ -46,6 +46,7 @@ def hash_multipliers(layer_ids: tuple[int, ...], max_ngram_size: int, compressed
 class NgramHasher:
     """Hash ids of every position's n-grams, for all Engram layers at once."""
 
+    layer_ids: tuple[int, ...]  # the Engram layers the model has, in the order of the hash ids' columns
     token_map: torch.Tensor  # [vocab] int64
     pad_compressed_id: int
     multipliers: torch.Tensor  # [layers, max_ngram]
@@ -62,8 +63,16 @@ class NgramHasher:
         primes = torch.tensor(per_layer, dtype=torch.int64).view(len(per_layer), n - 1, heads)
         flat = primes.flatten(1)
         offsets = torch.cumsum(flat, dim=1) - flat  # each (n, head) range starts after the previous ones
-        return cls(torch.tensor(list(token_map), dtype=torch.int64), pad_compressed_id,
-                   hash_multipliers(cfg.engram_layer_ids, n, compressed_vocab_size), primes, offsets, n, kernels)
+        multipliers = hash_multipliers(cfg.engram_layer_ids, n, compressed_vocab_size)
+        # a model cut short (``--hf-overrides`` with fewer layers) keeps the hashes of the Engram layers it
+        # has: their primes were picked among all the config's layers, so they are computed first, then kept
+        present = [i for i, layer in enumerate(cfg.engram_layer_ids) if layer < cfg.num_layers]
+        return cls(tuple(cfg.engram_layer_ids[i] for i in present), torch.tensor(list(token_map), dtype=torch.int64),
+                   pad_compressed_id, multipliers[present], primes[present], offsets[present], n, kernels)
+
+    def column(self, layer_id: int) -> int:
+        """The hash ids' column (``__call__``'s second dimension) of an Engram layer."""
+        return self.layer_ids.index(layer_id)
 
     def to(self, device) -> "NgramHasher":
         for name in ("token_map", "multipliers", "primes", "offsets"):

@@ -8,6 +8,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from engine_core.protocol import SamplingParams as EngineSamplingParams
 from frontend.llm import LLM, Logprob, PromptError, RequestOutput, SamplingParams
@@ -225,3 +226,22 @@ def test_dummy_weights_at_a_smaller_size_by_hf_overrides(tmp_path):
         out = llm.generate(["Hello"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4
         assert_idle(llm)
+
+
+def test_a_model_cut_short_hashes_only_the_engram_layers_it_has(tmp_path):
+    """With fewer layers, an Engram layer past the last one is gone: the n-gram hasher keeps the hashes of
+    the layers left (their primes, which were picked among all the config's layers, unchanged)."""
+    from model.checkpoint_maker import make_checkpoint
+    from model.loader import load_model
+
+    directory = make_checkpoint(tmp_path / "tiny", preset="tiny", config_only=True)
+    full = load_model(directory, load_format="dummy")
+    cut = load_model(directory, load_format="dummy",
+                     hf_overrides={"num_hidden_layers": 1, "candidate_source_layer_id": -1})
+    assert full.hasher.layer_ids == (0, 1) and cut.hasher.layer_ids == (0,)
+    for name in ("multipliers", "primes", "offsets"):
+        assert torch.equal(getattr(cut.hasher, name), getattr(full.hasher, name)[:1]), name
+    with LLM(str(directory), load_format="dummy", hf_overrides={"num_hidden_layers": 1, "candidate_source_layer_id": -1},
+             **ENGINE) as llm:
+        out = llm.generate(["Hello"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
