@@ -24,7 +24,7 @@ probe of a kernel never used before is captured and timed. One JSON line per mea
   with flags F, then destroyed).
 
 What it showed on one H200 and why the engine runs on one stream: ``workers/worker_stream.py`` and
-``docs/benchmarks.md``, "One stream".
+``docs/benchmarks-log.md``, "One stream".
 """
 
 from __future__ import annotations

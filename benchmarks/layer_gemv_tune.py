@@ -11,7 +11,7 @@ timed with each launch's best (the launches' own tables, ``tile_configs._GEMV_BY
 ``_FP8_DECODE_BY_SHAPE`` / ``_DECODE_MM_BY_SHAPE`` (the grouped ``wo_a``), keyed by the launch's output
 rows and K, one row of bound M) next to the graph as it runs now, in the same run. The picks are printed
 as the tables' entries. (On one H100 the one-token default was the best for every launch, within 0.2 µs:
-docs/benchmarks.md.)
+docs/benchmarks-log.md.)
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def decode_candidates(m: int):
     one wave, or a second wave allowed at 4 per SM (the grouped ``wo_a``'s table row); and at most one program
     per SM with 4 or 6 stages, which leaves K whole where a launch has about an SM's worth of row tiles (then no
     launch adds split sums; on one H100 each such launch took 1.4-2.4x its split default at 16 and 64 tokens,
-    docs/benchmarks.md). From 65 (one token tile of up to 256): 64 rows at 4 warps or 128 at 8 (the fp32 sums of
+    docs/benchmarks-log.md). From 65 (one token tile of up to 256): 64 rows at 4 warps or 128 at 8 (the fp32 sums of
     128 rows x 256 tokens need 8 warps' registers), 64- or 128-column steps (what fits in shared memory at 256
     tokens), 3 or 4 stages, 1 or 2 programs per SM in one wave."""
     from model.kernels.tile_configs import DecodeConfig

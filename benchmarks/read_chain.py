@@ -22,7 +22,7 @@ so that L2 holds none of the bytes read:
 * the bandwidth of the same read kernel on 4 GiB, and the copy bandwidth that ``benchmarks/kernels.py``
   divides by (``device_limits.measure_ceilings``), in the same run.
 
-What it showed is in ``docs/benchmarks.md`` ("The floor of six dependent reads").
+What it showed is in ``docs/benchmarks-log.md`` ("The floor of six dependent reads").
 """
 
 from __future__ import annotations

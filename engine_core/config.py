@@ -77,7 +77,7 @@ class EngineConfig:
     mixed_steps: bool = field(default=False, metadata=flag(
         "decode rows and prompt chunks in one step (decode first, prompts in the budget left); off: a step "
         "runs prompt chunks or decode rows, prompts first (faster on GPU while steps with prompt chunks run "
-        "eagerly: docs/benchmarks.md)", negative="--no-mixed-steps"))
+        "eagerly: docs/benchmarks-log.md)", negative="--no-mixed-steps"))
     batch_invariant: bool | None = field(default=None, metadata=flag(
         "every row's result independent of the batch it is in", negative="--no-batch-invariant",
         default_help="on for cpu, off for cuda"))
@@ -95,7 +95,7 @@ class EngineConfig:
     enable_pdl: bool = field(default=False, metadata=flag(
         "programmatic dependent launch: the Triton kernels of the decode-sized products start while the "
         "kernel before them finishes (Hopper or later; needs --kernels triton; not the default: a layer's "
-        "FP8 products and the engine's decode steps measured no faster with it on one H100, docs/benchmarks.md)"))
+        "FP8 products and the engine's decode steps measured no faster with it on one H100, docs/benchmarks-log.md)"))
     load_format: str = field(default="auto", metadata=flag(
         "auto: the checkpoint's safetensors files; dummy: random weights in their storage formats made on "
         "the device, the routers' biases zero so that tokens spread over the experts as in a load-balanced "

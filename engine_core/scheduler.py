@@ -8,7 +8,7 @@ chunks in what they leave of the budget, so a decoding sequence never waits for 
 prompts. It is off by default: a step with prompt chunks runs eagerly (CUDA graphs cover pure
 decode steps), and on GPU an eager step costs several graph steps, so mixing small prompt chunks
 into most steps served fewer tokens than running the waiting prompts together in one step
-(docs/benchmarks.md). ``update`` applies a step's sampled tokens.
+(docs/benchmarks-log.md). ``update`` applies a step's sampled tokens.
 
 With zero-overhead scheduling the engine calls ``schedule`` for step N+1 before applying step N's
 results: a decode input that is still on the device is referenced by its row in the previous step

@@ -144,7 +144,7 @@ def test_backend_takes_it_up_to_its_pairs_per_expert(monkeypatch):
     real = triton_mma_experts.mma_experts
     monkeypatch.setattr(triton_mma_experts, "mma_experts",
                         lambda *a, **kw: calls.append(a[1].shape[0]) or real(*a, **kw))
-    assert tile_configs.MMA_EXPERTS_MAX_PAIRS == 4.0  # measured up to 4 pairs per expert: docs/benchmarks.md
+    assert tile_configs.MMA_EXPERTS_MAX_PAIRS == 4.0  # measured up to 4 pairs per expert: docs/benchmarks-log.md
     kernels = TritonKernels()
     monkeypatch.setattr(tile_configs, "MMA_EXPERTS_MAX_PAIRS", 0.0)
     kernels.expert_outputs(x, pair_token, ids, weights, experts)

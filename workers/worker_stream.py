@@ -9,7 +9,7 @@ Why one stream, and not the default one:
   capture on one that is not the stream its work runs on. The state is for the whole process and
   permanent: a new graph of a kernel never used before replays slowly too, and destroying graphs
   does not help. A process whose kernels, captures and replays all run on one stream stays fast with
-  any number of graphs (``benchmarks/graph_count_probe.py``; ``docs/benchmarks.md``, "One stream").
+  any number of graphs (``benchmarks/graph_count_probe.py``; ``docs/benchmarks-log.md``, "One stream").
 
 So the worker takes a stream of its own and makes it current *before its first kernel*, and its
 decode graphs are captured on that same stream (``workers/cuda_graphs.py``). If the thread's current
@@ -23,7 +23,7 @@ shared expert, the compressors and Engram's lookups run beside the launches that
 joined back into this stream inside every forward, so a decode graph has two branches. That is a process that
 runs kernels on a second stream, and pays the cost above; it is on because the overlap measured more than that
 cost (on one H100, 1-3% of a decode step at batch 1-256: ``tile_configs.SIDE_STREAM``, whose off keeps
-everything on this one stream; ``docs/benchmarks.md``).
+everything on this one stream; ``docs/benchmarks-log.md``).
 
 The current stream is a thread's own: a thread that steps the runner other than the one that made
 it calls ``enter`` first (cheap when nothing changes), so its steps run, and replay, on the same

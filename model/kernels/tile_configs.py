@@ -98,7 +98,7 @@ def _pick_for_launch(by_shape: LaunchTables, table: tuple[tuple[int, DecodeConfi
 
 
 # (largest M, config): ``decode_mm`` (the grouped wo_a, the bf16 head), the best single config over a
-# layer's FP8 linears in the sweep of ``benchmarks/kernels.py --tune`` on one H200 (docs/benchmarks.md)
+# layer's FP8 linears in the sweep of ``benchmarks/kernels.py --tune`` on one H200 (docs/benchmarks-log.md)
 # when they all took this kernel
 _DECODE_MM_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
     # one token's small bf16 products (router, compressor: 384-1024 x 5120): at most 8 splits. With
@@ -113,7 +113,7 @@ _DECODE_MM_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
 # the FP8 linears (``fp8_decode_mm``: ``decode_mm``'s kernel with both scales folded into bf16 operands). Four
 # of the layer's shapes (wo_b, wq_b, w1, wkv) on one H100, each call timed alone in a CUDA graph, against the
 # block-order kernel this replaced (118.4 µs at 64 tokens, 85.7 at 16): 128 rows x 128 columns, 4 warps, 3
-# stages, 2 programs per SM took 99.6 / 78.6 µs, 64 rows at 4 per SM 114.8 / 73.7 (docs/benchmarks.md)
+# stages, 2 programs per SM took 99.6 / 78.6 µs, 64 rows at 4 per SM 114.8 / 73.7 (docs/benchmarks-log.md)
 # (ptxas runs this tile's wgmmas one at a time, the 128-row tiles' not; still, a layer's nine projections at 16
 # tokens on one H100 took 107.7 µs here against 111.9 with 128 rows and 116.4 on two warps)
 _FP8_DECODE_16_TOKENS = DecodeConfig(64, 128, 4, 3, 4, one_wave=True)
@@ -122,7 +122,7 @@ _FP8_DECODE_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
     (64, DecodeConfig(128, 128, 4, 3, 2, one_wave=True)),
     # 65-256 tokens in one token tile (the weight expanded once for all of them; 256 tokens: 64-column steps,
     # what fits in shared memory): seven of a layer's shapes on one H200 took 164.4 µs at 128 tokens and
-    # 262.4 at 256, against 285.3 and 372.7 in the prefill form (docs/benchmarks.md)
+    # 262.4 at 256, against 285.3 and 372.7 in the prefill form (docs/benchmarks-log.md)
     (256, DecodeConfig(128, 128, 8, 3, 1, one_wave=True)),
 )
 
@@ -138,7 +138,7 @@ def decode_form_max_tokens(fp8: bool) -> int:
 # ``layer_gemv_tune.decode_candidates``: 28 configs up to 64 tokens, 16 above) on one H100, where a pick gained
 # more than 0.3 µs (at 128-256 tokens: more than 1 µs, the two pairs). The layer graph there: 98.0 -> 95.3 µs at
 # 16 tokens, 140.4 -> 125.7 at 64, 198.5 -> 191.2 at 128 and 328.1 -> 321.1 at 256 with every launch's pick
-# (docs/benchmarks.md). A launch's first row whose bound holds is taken, so a launch with a row for 64 tokens
+# (docs/benchmarks-log.md). A launch's first row whose bound holds is taken, so a launch with a row for 64 tokens
 # repeats the table's 16-token config where it keeps it. Not swept on an H200
 _FP8_DECODE_BY_SHAPE: LaunchTables = {
     # wq_a with wkv: 12.8 -> 11.7 µs at 64 tokens, 15.5 -> 14.1 at 128, 23.9 -> 23.1 at 256
@@ -177,7 +177,7 @@ def fp8_decode_config(m: int, rows: int = 0, k: int = 0) -> DecodeConfig:
 # of that many tiles in shared memory by the tensor memory accelerator. 32 rows x 512 columns, 4 warps,
 # a ring of 3, K split only until there is one program per SM: a layer's nine FP8 projections in one
 # CUDA graph took 78.6 µs on one H100 (70% of its memory limit) against 86.9 for the registers' best
-# (32 x 128, 4 programs per SM), the other rings measured 80.4-109.7 (docs/benchmarks.md).
+# (32 x 128, 4 programs per SM), the other rings measured 80.4-109.7 (docs/benchmarks-log.md).
 # ``benchmarks/kernels.py --gemv-configs`` times the layer graph with given configs, ``--tune --m 1``
 # sweeps candidates per projection. Two tokens take the same config (one H100: 85.4 µs for the layer, 64%;
 # 256-column steps 88.3 µs)
@@ -191,7 +191,7 @@ _GEMV_TABLE: tuple[tuple[int, DecodeConfig], ...] = (
 # V4.1-Flash layer's one-token graph alone under 42 ring candidates, then the layer graph with each
 # launch's best. On one H100 the table's config was the best or within 0.2 µs for all six launches (the
 # graph 78.5 against 78.7 µs: noise), so no entry is kept; an H200 has not run the sweep yet
-# (docs/benchmarks.md)
+# (docs/benchmarks-log.md)
 _GEMV_BY_SHAPE: LaunchTables = {}
 
 # a weight the accelerator cannot stream (its start not 16-byte aligned) takes the registers' best
@@ -208,7 +208,7 @@ def gemv_config(m: int, rows: int = 0, k: int = 0) -> DecodeConfig:
 # 256 tokens the decode form (``triton_decode_mm``; the grouped ``wo_a`` up to 64) and larger ones the prefill
 # form (``triton_bf16_mm``). At 3-8 tokens the decode form, with both scales folded into its bf16 operands and
 # FP8-ready rows, measured faster than the tensor cores fed from registers on one H100 (a layer's FP8
-# projections in one graph: 96.4 against 110.3 µs at 8 tokens; docs/benchmarks.md)
+# projections in one graph: 96.4 against 110.3 µs at 8 tokens; docs/benchmarks-log.md)
 
 # FP8-ready rows (``backend.py``): the kernels that make the input of a quantized linear of the decode or
 # prefill form (from 3 tokens on: RMSNorm, the SwiGLU, the grouped ``wo_a``'s split sums) round it through
@@ -223,7 +223,7 @@ ROUND_TRIP_IN_PRODUCERS = True
 # batch 1, 5.35 -> 5.30 at 8, 11.29 -> 11.07 at 32, 16.27 -> 16.09 at 64 and 29.58 -> 29.07 at 256 (with only
 # the coefficients and the shared expert beside: 2.48 / 5.40 / 16.20 at batch 1 / 8 / 64, another process): the
 # overlap outweighs what a second stream costs every graph replay (``workers/worker_stream.py``;
-# docs/benchmarks.md)
+# docs/benchmarks-log.md)
 SIDE_STREAM = True
 
 # RoPE in the launches that consume it: the FP4 round trips of the index queries and the compressor's keys
@@ -233,19 +233,19 @@ SIDE_STREAM = True
 # 4.23 / 4.63 µs at 1 / 16 / 64 tokens, the one 3.17 / 3.53 / 4.16 (``benchmarks/small_kernels.py``). The
 # sparse attention's queries and output were tried too and measured slower (64.2 against 56.2 µs at 16 rows:
 # each program's rotation adds its dependent loads and barriers to a launch of about one wave;
-# docs/benchmarks.md): they keep ``rotate_``'s launches
+# docs/benchmarks-log.md): they keep ``rotate_``'s launches
 ROPE_IN_CONSUMERS = True
 
 # A decode step's window rows stored in the rings by the launch that makes them (``triton_window_kv``'s ring):
 # one launch fewer per layer; off: the cache's own write launch, at the same point of the step (the benchmarks'
 # comparison). On one H100 (``benchmarks/decode.py --kernels triton-ringapart,triton``) the step took 2.44 -> 2.43
-# ms at batch 1, 5.29 -> 5.28 at 8, 16.52 -> 16.50 at 64, and the same graph replay at 256 (docs/benchmarks.md)
+# ms at batch 1, 5.29 -> 5.28 at 8, 16.52 -> 16.50 at 64, and the same graph replay at 256 (docs/benchmarks-log.md)
 RING_WRITE_IN_WINDOW_KV = True
 
 # The routed experts take ``triton_mma_experts`` (the tensor cores fed from registers, blocks of 8 pairs)
 # outside the batch-invariant mode while a step has at most this many pairs per expert on average; 0:
 # never. On one H200 (``benchmarks/kernels.py --kernels moe --tensor-core-experts 0`` / ``8``, 384
-# experts, uniform routing; docs/benchmarks.md) they took 52.2 / 270.6 / 1,256 / 1,995 us at 1 / 8 / 64 /
+# experts, uniform routing; docs/benchmarks-log.md) they took 52.2 / 270.6 / 1,256 / 1,995 us at 1 / 8 / 64 /
 # 256 tokens (0.016 to 4 pairs per expert) where ``triton_moe`` took 64.8 / 331.1 / 1,593 / 2,455 us;
 # more pairs per expert were not measured
 MMA_EXPERTS_MAX_PAIRS = 4.0
@@ -271,6 +271,6 @@ def mma_experts_config(pairs_per_expert: float) -> DecodeConfig:
 # its own, in pair order (a one-token step's top-6 experts are distinct; pairs that share an expert
 # are still right, each reading the expert's weight). Saves the sort's launch, a one-program kernel
 # that sits between the activation's quantization and gate/up in every MoE layer of a decode step. On one
-# H100 (``benchmarks/kernels.py --kernels moe --m 1 --unsorted-pairs 0`` / default; docs/benchmarks.md) a
+# H100 (``benchmarks/kernels.py --kernels moe --m 1 --unsorted-pairs 0`` / default; docs/benchmarks-log.md) a
 # one-token step's experts took 53.6 instead of 59.3 us
 MMA_EXPERTS_UNSORTED_PAIRS = 8

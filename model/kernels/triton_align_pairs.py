@@ -14,7 +14,7 @@ gives (``tests/test_triton_align_pairs.py`` compares them element for element):
 Why a kernel: in torch this is ~18 operations (a scatter-add histogram, a stable radix argsort of
 several kernels, two cumulative sums, a searchsorted, gathers, ``where``s): ~25 kernels of 1-3 µs
 each in every MoE layer of a decode step, more than the experts' own weight streaming takes at one
-token (``docs/benchmarks.md``). Here one program does all of it: a counting sort.
+token (``docs/benchmarks-log.md``). Here one program does all of it: a counting sort.
 
 1. Histogram of the expert ids, chunk by chunk (``tl.histogram``), and its exclusive prefix sum: each
    expert's start.

@@ -11,7 +11,7 @@ scale per 32x32 tile, expanded in registers to bf16: exact) or plain bf16. Three
   of bf16 values, the same exact products).
 
 For the FP8 linears this kernel measured faster than ``triton_scaled_mm`` on one H200 at every M
-(``docs/benchmarks.md``): the weight tile is expanded once per 64 columns of K, against a scaled
+(``docs/benchmarks-log.md``): the weight tile is expanded once per 64 columns of K, against a scaled
 accumulation per 32-block there. Products accumulate in fp32 on the tensor cores; the reference's sums differ only in
 order. Batch invariance: one program owns whole output elements and walks K from 0 in fixed steps
 of ``BLOCK_K`` (no split-K); every tile config uses the same instruction shape.

@@ -18,12 +18,12 @@ reads its config from the table by M, or from its own rows by shape (``tile_conf
   times its two scales added to the row's. That rescale of the whole ``[rows, tokens]`` sum every
   32 columns cost more than the folded expansion from 16 tokens up: on one H100 the folded form took
   four of the layer's shapes (``wo_b``, ``wq_b``, ``w1``, ``wkv``) 118.4 -> 99.6 µs at 64 tokens
-  and 85.7 -> 73.7 µs at 16 (``docs/benchmarks.md``). Tried before and not kept: e4m3 products on
+  and 85.7 -> 73.7 µs at 16 (``docs/benchmarks-log.md``). Tried before and not kept: e4m3 products on
   the FP8 tensor cores (their sums inside a 32-column block are not exact: 0.5-1.4% of outputs moved
   by more than one bf16 ulp); the round trip taken in this kernel's loop (every row tile and split
   rounds the activation again), the weight expanded one 32-column block at a time, and the expansion
   through bf16 instead of fp32 (fewer instructions, slower): all three slower on one H100 at 16-256
-  tokens (``docs/benchmarks.md``).
+  tokens (``docs/benchmarks-log.md``).
   Two projections of one input (``quantized_linears``: ``wq_a`` and ``wkv``, the two ``wq_b``, the
   shared expert's ``w1`` and ``w3``) take one round trip and one launch: the second weight's row tiles
   follow the first's in the grid, its outputs the first's columns, as in the matrix-vector form (``triton_gemv``).
@@ -40,13 +40,13 @@ Both take the products transposed and split K:
 * split-K: K is cut into ``splits`` equal ranges so that there are a few programs per SM even for
   the narrow matrices (``wkv`` has 4 tiles of 128 rows). A program alone on its SM streams too little:
   leaving K whole where a launch has about an SM's worth of row tiles (``wo_b``'s 80, so no split sums'
-  launch) took 1.4-2.4x as long per launch on one H100 (``docs/benchmarks.md``). Each program writes its
+  launch) took 1.4-2.4x as long per launch on one H100 (``docs/benchmarks-log.md``). Each program writes its
   fp32 partial sums; ``_sum_splits_kernel`` adds them in split order (deterministic: the same inputs give
   the same bits on every run) and rounds once. One split writes the output directly. (Letting the last split
   of each tile to arrive add the partials, with a counter per tile, saved that launch but was
   slower on one H200 at 8 and 64 tokens: one program per tile then reads every split's partial in
   turn. Tried again for 64-row tiles of 16 tokens, four splits' loads at a time as ``triton_gemv``
-  adds them: a layer's projections took 100.8 µs against 98.6 on one H100; ``docs/benchmarks.md``.)
+  adds them: a layer's projections took 100.8 µs against 98.6 on one H100; ``docs/benchmarks-log.md``.)
 
 Not batch invariant: the split, and the summation order it implies, depend on the shape, and the
 prefill form (``bf16_mm``) sums K in one pass. ``TritonKernels(batch_invariant=True)`` therefore

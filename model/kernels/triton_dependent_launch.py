@@ -40,7 +40,7 @@ products (``triton_rms_norm``, which loads its norm weight first, and the SwiGLU
 ``triton_moe_sum``), so that those products start early too. Off unless asked for (``--enable-pdl``):
 on one H100 a layer's nine FP8 projections in one CUDA graph took 88.2 / 113.9 / 123.8 / 143.4 µs at
 1 / 2 / 4 / 8 tokens with it against 86.8 / 116.8 / 119.0 / 139.4 without, and a one-token step's
-experts 51.4 against 53.6 µs (without the sort; 60.2 against 59.3 with it; docs/benchmarks.md). With
+experts 51.4 against 53.6 µs (without the sort; 60.2 against 59.3 with it; docs/benchmarks-log.md). With
 the ring the one-token layer took 80.7 against 78.5 µs while it waited first and let the next kernel
 start at once; fetching the ring's first steps into L2 and letting the next start once the weight is
 streamed made it 76.4 against 78.5 (one H100; more steps fetched, or the next kernel let in at once,

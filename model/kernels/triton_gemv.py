@@ -19,7 +19,7 @@ where the compiler's expansion of a byte tensor took ~5 (it moved every byte to 
 and packed the pairs back for the conversion), and each thread keeps one sum per word it holds, not
 one per byte, which took its registers from ~155 to ~53 (more programs fit an SM). On one H200 a
 V4.1-Flash layer's nine FP8 projections (one CUDA graph) went 119 -> 81 µs and a one-token decode
-step of the 8-layer config 3.03 -> 2.65 ms (``docs/benchmarks.md``); the loop spends ~5 instructions
+step of the 8-layer config 3.03 -> 2.65 ms (``docs/benchmarks-log.md``); the loop spends ~5 instructions
 per weight byte and thread, 2.5 of them the expansion and the product.
 
 Two ways to bring the weight in (the config's ``num_stages``):
@@ -79,7 +79,7 @@ from .triton_weight_tiles import e4m3_words_to_f32
 # rows it takes: each weight value expanded once for all, each row with sums of its own. At three and four
 # (256-column steps, so that the sums fit the registers) a tensor-core kernel fed from registers was as fast
 # or faster on one H100: the layer's projections 116.2 / 129.4 µs here against 117.0 / 118.5 without PDL
-# (with it 105.5 / 121.7 against 121.6 / 123.8; docs/benchmarks.md); more tokens take the decode form
+# (with it 105.5 / 121.7 against 121.6 / 123.8; docs/benchmarks-log.md); more tokens take the decode form
 MAX_TOKENS = 2
 
 

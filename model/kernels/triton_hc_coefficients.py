@@ -50,7 +50,7 @@ BLOCK_T = 64  # tokens per program, at every T: one tensor-core instruction shap
 PARTIAL_COLS = 32  # the (2 + hc) * hc = 24 mixes of hc = 4, their sum of squares, padding
 # the pipeline's depth (steps whose loads are in flight; the bits do not depend on it). One H100
 # (``benchmarks/small_kernels.py``, a call with its Sinkhorn, 1 / 16 / 64 tokens): 3 stages 11.8-12.1 µs,
-# 2 stages ~1 µs slower, 4 and 8 within 0.3 µs (docs/benchmarks.md)
+# 2 stages ~1 µs slower, 4 and 8 within 0.3 µs (docs/benchmarks-log.md)
 STAGES = 3
 
 

@@ -9,7 +9,7 @@ instructions (``wgmma``) with the tokens staged in shared memory. Compiled for s
 rows, 4 warps) their loop takes ~3.4 SASS instructions per weight value, ~6.9 per weight byte; an
 H200 SM must take ~16 bytes of weight per cycle to run at the memory bandwidth, which leaves about
 8 instructions per byte and thread at full issue: at the decode shapes those kernels are bound by
-instruction issue (two thirds of the bandwidth at 64-256 tokens; docs/benchmarks.md). Here each lane
+instruction issue (two thirds of the bandwidth at 64-256 tokens; docs/benchmarks-log.md). Here each lane
 loads its own fragment words, expands them (``triton_weight_tiles.fragment_word_ptx``: a shift, a mask
 and a bf16 multiply per pair of values) and issues ``mma.sync.m16n8k16`` on them directly: no shared
 memory, no warpgroup synchronisation, the scale factors made once per 32 columns instead of once per
@@ -23,7 +23,7 @@ the K slots its words hold) are 32 contiguous bytes, because the activation rows
 fragment layout's column order (``triton_weight_tiles.fragment_column``: by ``act_quant_bf16`` for the
 tokens, by the gate/up kernel itself for its output). Triton compiles those loads to 8-byte loads (two
 and four per lane); a 16-byte load in PTX came within 3% of them on one H100 and changed nothing in the
-engine's decode (docs/benchmarks.md). Loads are issued one step ahead of their use.
+engine's decode (docs/benchmarks-log.md). Loads are issued one step ahead of their use.
 
 A step of at most ``tile_configs.MMA_EXPERTS_UNSORTED_PAIRS`` pairs (one token's) skips the pair sort
 (``triton_moe.align_pairs``): each pair is a block of its own, in pair order, and the kernels read the

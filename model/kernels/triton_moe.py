@@ -24,7 +24,7 @@ at run time to the rows it holds (a quarter, a half or all of ``BLOCK_T``, at le
 block of 6 rows multiplies a 16-token tile, not a 128-token one. The blocks and their rows stay where
 they are; only the tensor cores' narrow side shrinks, as it does between the table's configs (16 to
 128 tokens wide, whose rows come out bit for bit the same: ``test_triton_kernels_gpu.py``). On one
-H100 the experts' layer at 8,192 tokens took 8.85 instead of 10.18 ms (docs/benchmarks.md).
+H100 the experts' layer at 8,192 tokens took 8.85 instead of 10.18 ms (docs/benchmarks-log.md).
 
 Layout on the tensor cores (as ``triton_decode_mm``): the expert's weight rows fill the 64-row side
 and a block's tokens (16-64) the narrow side, so the few tokens an expert gets in a decode step

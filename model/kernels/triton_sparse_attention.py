@@ -46,7 +46,7 @@ The output's RoPE (``positions`` and ``table``: ``TritonKernels.sparse_attention
 split, ``_combine_splits_kernel`` rotates the output's last dims back before it stores them, holding each pair in one
 thread's registers, with ``_rope_kernel``'s arithmetic (the bits of ``rotate_`` after the attention, one launch
 fewer); elsewhere ``rotate_`` runs after the attention. Taking the queries' rotation and the unsplit output's into
-the main launch was measured slower (``docs/benchmarks.md``): it adds dependent loads and barriers to every program.
+the main launch was measured slower (``docs/benchmarks-log.md``): it adds dependent loads and barriers to every program.
 
 Every elementwise step is the twin's, in its order: fp32 fusion is off (the twin rounds each
 product and each sum), the division is IEEE's and ``exp`` is CUDA's ``expf`` (what torch runs).

@@ -7,7 +7,7 @@ puts the counter back to zero for the next launch. This replaces a second launch
 (``triton_decode_mm``'s ``_sum_splits_kernel``: ~2 µs per product inside a CUDA graph on one H200). (The
 routed experts' warpgroup kernels, ``triton_moe``, split this way at one to eight tokens were no faster
 on one H200: their programs are bound by expanding the FP4 weights; ``triton_mma_experts`` splits this
-way; ``docs/benchmarks.md``.)
+way; ``docs/benchmarks-log.md``.)
 
 Memory ordering: a program's partial stores are complete before it counts (a barrier over its
 threads, then an ``acq_rel`` atomic at GPU scope, which orders them before the count); the last

@@ -14,7 +14,7 @@ program's, 16 values per thread and copy.
 (Tried and not kept: the FFN's input made in the launch of the attention's expand as well, which a
 program per token then wrote and read back. On one H100 that launch took 9.8 / 11.0 / 15.9 µs at 1 / 16 /
 64 tokens where the expand's own launch (five programs per token) and this one took 4.0 / 5.3 / 7.1:
-one program walks the expand's copies alone; docs/benchmarks.md.)
+one program walks the expand's copies alone; docs/benchmarks-log.md.)
 
 Layouts: stream ``[T, hc, D]`` bf16 with ``D`` contiguous; pre ``[T, hc]`` fp32; outputs ``[T, D]`` bf16.
 """
