@@ -1,5 +1,5 @@
 """CUDA graphs of the decode step (skipped without CUDA): replay against eager, tokens against
-``--enforce-eager``, and no host synchronisation inside a decode step."""
+``--enforce-eager``, and no host synchronisation inside a decode step, constrained rows included."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from engine_core.protocol import SamplingParams
+from engine_core.protocol import SamplingParams, StructuredOutput
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -172,3 +172,37 @@ def test_collecting_a_step_does_not_wait_for_work_queued_after_it(tiny_checkpoin
                            use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 6 for o in outputs)
     assert len(busy_after_collect) >= 6 and all(busy_after_collect), busy_after_collect
+
+
+def test_a_constrained_step_does_not_wait_for_its_own_forward(tiny_checkpoint):
+    """Structured output: the host advances the matchers and fills the mask while the step's forward
+    runs. Their input tokens come from the previous step's copy to the host (a wait for its event
+    only), and the mask and its rows go up from pinned memory. Reading the tokens from the device,
+    or uploading the mask from pageable memory, would wait for the forward too. Here ~50 ms of device
+    work is queued before the grammar work of every step; when that work is done, the device must
+    not have reached the end of it."""
+    import json
+
+    from frontend.llm import LLM
+
+    llm = LLM(str(tiny_checkpoint), device="cuda", max_num_batched_tokens=64, block_size=16)
+    runner = llm.engine.executor.runner
+    apply_grammars = runner._apply_grammars
+    busy_after_grammar = []
+
+    def occupied_then_apply(logits, seqs, sample_index):
+        torch.cuda._sleep(100_000_000)  # clock cycles: tens of milliseconds, queued after the forward
+        occupied = torch.cuda.Event()
+        occupied.record()  # reached when the device has done the forward and that work
+        constrained = apply_grammars(logits, seqs, sample_index)
+        busy_after_grammar.append(not occupied.query())
+        return constrained
+
+    runner._apply_grammars = occupied_then_apply
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    params = SamplingParams(temperature=0.0, max_tokens=12, structured=StructuredOutput("json_schema", json.dumps(schema)))
+    outputs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    for output in outputs:
+        completion = output.outputs[0]
+        assert completion.finish_reason == "length" or isinstance(json.loads(completion.text, strict=False)["n"], int)
+    assert len(busy_after_grammar) >= 6 and all(busy_after_grammar), busy_after_grammar

@@ -7,9 +7,9 @@ launches work, ending with the copies of its results into pinned host memory and
 them; ``collect`` waits for that event (the one wait point), so it waits for this step alone, not
 for a step launched after it: the engine core (in-process) or the worker loop (workers.step_pipeline)
 launches step N+1 before collecting step N, and the device never waits for the host in between.
-The exception: constrained rows (structured output) whose input token is still on the device read
-it inside the step, since their grammar matchers need it before this step's mask can be filled
-(see workers.structured_output).
+Constrained rows (structured output) whose input token is still on the device wait inside the step
+for the previous step's copy to the host (its event, not the stream), since their grammar matchers
+need that token before this step's mask can be filled (see workers.structured_output).
 """
 
 from __future__ import annotations
@@ -122,6 +122,7 @@ class ModelRunner:
                                        scratch_block=self.capacity.num_blocks, dispatcher=self.expert_parallel)
             self.graphs.capture_all()
         self.last_sampled = torch.full((0,), -1, dtype=torch.long, device=self.device)
+        self.previous_step: PendingStep | None = None  # the step that sampled ``last_sampled``, for its host copy
         self.structured = StructuredState(config.model, self.cfg.vocab_size, self.cfg.eos_token_id)
         log_rank_summary(self)
 
@@ -175,6 +176,7 @@ class ModelRunner:
                 else:
                     self.model.forward(self._forward_batch([]), self.cache)
             self.last_sampled = self.last_sampled[:0]
+            self.previous_step = None
             return PendingStep(step_id, [], None, None, None, None, [], {})
         if self.expert_balance is not None:  # a graph's padding rows are no expert load
             self.expert_balance.count_rows(len(seqs) if bucket is not None else None)
@@ -206,8 +208,9 @@ class ModelRunner:
             result = prompt_logprobs(logits[offset:offset + n], targets, step.params.prompt_logprobs or 0)
             prompt[i] = (result.token_logprobs, result.top_ids, result.top_logprobs)
             offset += n
-        return PendingStep(step_id, seqs, sampled, chosen_lp, top_ids, top_lp, sample_index, prompt,
-                           constrained).copy_to_host(self.device)
+        self.previous_step = PendingStep(step_id, seqs, sampled, chosen_lp, top_ids, top_lp, sample_index, prompt,
+                                         constrained).copy_to_host(self.device)
+        return self.previous_step
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Wait for a step's results on the host (the only wait of a step) and turn them into its
@@ -317,19 +320,30 @@ class ModelRunner:
         rows = [r for r, i in enumerate(sample_index) if seqs[i].params.structured is not None]
         if not rows:
             return False
-        # inputs still on the device (zero-overhead scheduling, step not collected yet): one read for all
+        # inputs still on the device (zero-overhead scheduling, previous step not collected yet)
         on_device = [r for r in rows if self.structured.needs_device_input(seqs[sample_index[r]])]
-        known: dict[int, int] = {}
-        if on_device:
-            prev = upload([seqs[sample_index[r]].prev_row for r in on_device], torch.long, self.device)
-            known = dict(zip(on_device, self.last_sampled[prev].tolist()))
+        known = dict(zip(on_device, self._previous_tokens([seqs[sample_index[r]].prev_row for r in on_device])))
         states = []
         for r in rows:
             step = seqs[sample_index[r]]
             states.append(self.structured.prepare(step, step.start + len(step.token_ids), lambda r=r: known[r]))
-        bitmask = self.structured.fill_bitmask(states, rows, len(sample_index))
+        bitmask = self.structured.fill_bitmask(states, rows, len(sample_index), pinned=self.device.type == "cuda")
         apply_bitmask(logits, bitmask, rows, self.cfg.vocab_size)
         return True
+
+    def _previous_tokens(self, prev_rows: list[int]) -> list[int]:
+        """The tokens the previous step sampled for its rows ``prev_rows``, from its copy to the host.
+        The wait is for that step's copy alone: this step's forward, queued after it, keeps running."""
+        if not prev_rows:
+            return []
+        previous = self.previous_step
+        if previous is None or previous.sampled is None:
+            raise RuntimeError("a step takes its input tokens from a previous step that sampled none")
+        if previous.copied is not None:
+            previous.copied.synchronize()
+        sampled_row = {seq_index: row for row, seq_index in enumerate(previous.sample_index)}
+        tokens = previous.sampled.tolist()
+        return [tokens[sampled_row[prev_row]] for prev_row in prev_rows]
 
     def _suppress(self, logits: torch.Tensor, seqs: list[SequenceStep], sample_index: list[int]) -> torch.Tensor:
         """Stop tokens a request may not produce yet (before min_tokens) get -inf.

@@ -16,11 +16,16 @@ Where things live, and why:
   boundary (16 KB per row per step for a 129k vocabulary). With several DP ranks each rank keeps
   the matchers of the sequences it samples.
 * **Zero-overhead scheduling**: a matcher is advanced by position, idempotently. A sampled token is
-  accepted at ``collect`` (the multiprocess worker executes and collects a step in one go, so the
-  matcher is current before the next plan arrives); in the in-process executor step N+1 may be
-  launched before step N is collected, so ``execute`` reads the few previous tokens of the
-  *constrained* rows from the device (a wait for step N, only when constrained rows take their
-  input from the device; unconstrained batches never sync) and ``collect`` then finds them accepted.
+  accepted at ``collect`` when that comes first; but a worker on a GPU launches step N+1 before it
+  collects step N (``workers/step_pipeline.py``), and so does the in-process executor. Then
+  ``execute`` takes the previous tokens of the *constrained* rows from step N's copy to the host,
+  after a wait for that copy's event alone: step N+1's forward, already queued, keeps the device
+  busy while the host advances the matchers and fills the mask. (A read of the device tensor would
+  wait for everything queued before it, that forward included, and leave the device idle while the
+  host works.) ``collect`` then finds those tokens accepted.
+* **No other wait**: on a GPU the mask is filled in pinned memory and uploaded asynchronously, with
+  the rows it applies to, so the step's sampling is queued behind the forward without the host
+  waiting for it.
 * **Preemption**: a recomputed sequence comes back with a new epoch; its sampling prefill chunk
   carries its known output tokens (``SequenceStep.structured_output_ids``) and the matcher is
   rebuilt from them (a token the old epoch sampled but the scheduler dropped is simply not
@@ -45,6 +50,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine_core.protocol import StructuredOutput
+from model.device_upload import upload
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -180,18 +186,19 @@ class StructuredState:
             self.matchers.pop(seq_id, None)
 
     def needs_device_input(self, step) -> bool:
-        """The step's input token is on the device and its matcher has not accepted it yet."""
+        """The step's input token is on the device (the previous step sampled it, and the plan does not
+        carry it) and its matcher has not accepted it yet."""
         if step.prev_row < 0:
             return False
         state = self.matchers.get(step.seq_id)
         return state is not None and state.epoch == step.epoch and state.next_position == step.start
 
-    def prepare(self, step, sample_position: int, device_token) -> _Matcher:
+    def prepare(self, step, sample_position: int, previous_token) -> _Matcher:
         """The matcher of ``step``'s sequence, advanced to ``sample_position``.
 
         A new sequence or a new epoch (recomputation) is built from ``step.structured_output_ids``;
         otherwise the input token of this step is accepted if the matcher has not seen it yet
-        (``device_token()`` reads it when it is still on the device).
+        (``previous_token()`` gives it when it is on the device: from the previous step's results).
         """
         state = self.matchers.get(step.seq_id)
         if state is None or state.epoch != step.epoch:
@@ -203,7 +210,7 @@ class StructuredState:
             state = _Matcher(matcher, step.epoch, step.num_prompt_tokens + len(step.structured_output_ids))
             self.matchers[step.seq_id] = state
         if state.next_position == sample_position - 1:
-            token = step.token_ids[-1] if step.prev_row < 0 else device_token()
+            token = step.token_ids[-1] if step.prev_row < 0 else previous_token()
             self._accept(step.seq_id, state, token)
         if state.next_position != sample_position:
             raise RuntimeError(f"sequence {step.seq_id}: matcher at position {state.next_position}, "
@@ -223,9 +230,12 @@ class StructuredState:
         if not state.matcher.accept_token(token):
             log.warning("sequence %d: token %d is outside its grammar", seq_id, token)
 
-    def fill_bitmask(self, states: list[_Matcher], rows: list[int], num_rows: int) -> torch.Tensor:
-        """[num_rows, ceil(V/32)] int32 bitmask: rows listed are filled, the others allow everything."""
-        bitmask = _xgr().allocate_token_bitmask(num_rows, self.vocab_size)
+    def fill_bitmask(self, states: list[_Matcher], rows: list[int], num_rows: int, pinned: bool = False) -> torch.Tensor:
+        """[num_rows, ceil(V/32)] int32 bitmask: rows listed are filled, the others allow everything.
+        ``pinned``: in pinned memory (for a GPU: its upload then makes the host wait for nothing)."""
+        xgr = _xgr()
+        bitmask = torch.full(xgr.get_bitmask_shape(num_rows, self.vocab_size), -1, dtype=xgr.bitmask_dtype,
+                             pin_memory=pinned)  # -1: every token allowed, as allocate_token_bitmask fills it
         for state, row in zip(states, rows):
             if state.matcher.is_terminated():
                 bitmask[row].zero_()
@@ -242,6 +252,9 @@ def _bit(i: int) -> int:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
-    """Disallowed tokens of the listed rows get -inf, all rows in one call; other rows are untouched."""
+    """Disallowed tokens of the listed rows get -inf, all rows in one call; other rows are untouched.
+    On a GPU: without a host wait when ``bitmask`` is pinned (the rows are uploaded from pinned memory
+    too; xgrammar would copy a list of them from pageable memory, which waits for the device)."""
+    indices = upload(rows, torch.int32, logits.device) if logits.device.type == "cuda" else rows
     _xgr().apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), vocab_size=vocab_size,
-                                    indices=rows)
+                                       indices=indices)
