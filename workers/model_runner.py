@@ -200,6 +200,7 @@ class ModelRunner:
             else:
                 last[upload(sample_index, torch.long, self.device)] = sampled
         self.last_sampled = last
+        self.previous_step = None  # until this step's results are queued for the host (below)
         prompt = {}
         offset = len(sample_index)
         for i, (_, n) in prompt_rows.items():
