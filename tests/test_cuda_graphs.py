@@ -177,8 +177,8 @@ def test_collecting_a_step_does_not_wait_for_work_queued_after_it(tiny_checkpoin
 def test_a_constrained_step_does_not_wait_for_its_own_forward(tiny_checkpoint):
     """Structured output: the host advances the matchers and fills the mask while the step's forward
     runs. Their input tokens come from the previous step's copy to the host (a wait for its event
-    only), and the mask and its rows go up from pinned memory. Reading the tokens from the device,
-    or uploading the mask from pageable memory, would wait for the forward too. Here ~50 ms of device
+    only), and the mask and its rows go up from pinned memory. Reading the tokens from the device
+    waits for the forward too (an upload from pageable memory may as well). Here ~50 ms of device
     work is queued before the grammar work of every step; when that work is done, the device must
     not have reached the end of it."""
     import json
